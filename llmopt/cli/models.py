@@ -1,0 +1,94 @@
+"""`llmopt models`: inspect a model spec, convert it to a Hugging Face folder."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import typer
+from rich.table import Table
+
+from llmopt.cli.common import console, handles_errors, print_json
+from llmopt.core import ModelSource, resolve
+from llmopt.errors import LlmoptError
+
+app = typer.Typer(help="Inspect and convert models.", no_args_is_help=True)
+
+
+def describe(source: ModelSource) -> dict[str, Any]:
+    cfg = source.config
+    windows = {w for w in cfg.sliding_windows if w is not None}
+    quant = source.quantization
+    return {
+        "spec": source.spec,
+        "kind": source.kind,
+        "path": str(source.path),
+        "origin": source.origin,
+        "architecture": {
+            "architecture": cfg.architecture,
+            "model_type": cfg.model_type,
+            "num_hidden_layers": cfg.num_hidden_layers,
+            "hidden_size": cfg.hidden_size,
+            "intermediate_size": cfg.intermediate_size,
+            "num_attention_heads": cfg.num_attention_heads,
+            "num_key_value_heads": cfg.num_key_value_heads,
+            "head_dim": cfg.head_dim,
+            "vocab_size": cfg.vocab_size,
+            "max_position_embeddings": cfg.max_position_embeddings,
+            "tie_word_embeddings": cfg.tie_word_embeddings,
+            "rope_theta": cfg.rope_theta,
+            "rope_scaling": cfg.rope_scaling,
+            "sliding_window": max(windows) if windows else None,
+            "num_parameters": cfg.num_parameters,
+        },
+        "quantization": None if quant is None else {
+            "method": quant.method, "bits": quant.bits, "group_size": quant.group_size, "details": quant.details,
+        },
+    }
+
+
+@app.command("info")
+@handles_errors
+def info(
+    spec: str = typer.Argument(..., help="'default', a model folder, a .gguf file or a hub id"),
+    json_output: bool = typer.Option(False, "--json", help="Print one JSON document."),
+) -> None:
+    """Show a model's architecture and quantization."""
+    doc = describe(resolve(spec))
+    if json_output:
+        print_json(doc)
+        return
+    table = Table(title=f"model {spec}", show_header=False)
+    for key in ("kind", "path", "origin"):
+        if doc[key]:
+            table.add_row(key, str(doc[key]))
+    for key, value in doc["architecture"].items():
+        table.add_row(key, f"{value:,}" if key == "num_parameters" else str(value))
+    q = doc["quantization"]
+    table.add_row("quantization", "none" if q is None else f"{q['method']} {q['bits'] or ''}-bit {q['details'].get('file_type', '')}".strip())
+    console.print(table)
+
+
+@app.command("convert")
+@handles_errors
+def convert(
+    spec: str = typer.Argument(..., help="'default', a model folder, a .gguf file or a hub id"),
+    output: Path = typer.Option(..., "--output", "-o", help="Folder to write (Hugging Face layout)."),
+    dtype: str = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16"),
+    force: bool = typer.Option(False, "--force", help="Replace OUTPUT if it exists."),
+    json_output: bool = typer.Option(False, "--json", help="Print one JSON document."),
+) -> None:
+    """Write a model as a Hugging Face folder (config.json + safetensors + tokenizer)."""
+    from llmopt.core.convert import DTYPES, convert_source
+
+    if dtype not in DTYPES:
+        raise LlmoptError(f"unknown dtype {dtype!r}; choose one of: {', '.join(DTYPES)}")
+    if output.exists() and not force:
+        raise LlmoptError(f"{output} already exists; pass --force to replace it")
+    source = resolve(spec)
+    folder = convert_source(source, output, dtype=dtype, overwrite=force)
+    doc = {"spec": spec, "output": str(folder), "dtype": dtype}
+    if json_output:
+        print_json(doc)
+    else:
+        console.print(f"wrote {folder} ({dtype})")

@@ -1,0 +1,56 @@
+"""Atomic outputs: write into a temporary sibling, rename into place only when complete.
+
+A reader never sees a half-written file or folder: either the old state or the new one.
+An interrupted write leaves only a `.tmp-*` sibling, which nothing trusts.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+
+@contextmanager
+def atomic_dir(final: Path, overwrite: bool = False) -> Iterator[Path]:
+    """Yield a temporary folder; on success it becomes `final`, on error it is removed.
+
+    If another process created `final` meanwhile (two processes filling one cache), the
+    existing folder wins and ours is discarded.
+    """
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    try:
+        yield tmp
+        if overwrite and final.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{final.name}.old-", dir=final.parent))
+            os.rename(final, old / "x")
+            os.rename(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            try:
+                os.rename(tmp, final)
+            except OSError:
+                if not final.is_dir():
+                    raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextmanager
+def atomic_file(final: Path) -> Iterator[Path]:
+    """Yield a temporary path beside `final`; it replaces `final` only on success."""
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(prefix=f".{final.name}.tmp-", dir=final.parent)
+    os.close(fd)
+    tmp = Path(name)
+    try:
+        yield tmp
+        os.replace(tmp, final)
+    finally:
+        tmp.unlink(missing_ok=True)

@@ -1,0 +1,194 @@
+"""Normalised architecture config: the one place that reads a Hugging Face config.json.
+
+Hugging Face configs of the Llama family differ in small ways (rope_theta vs
+rope_parameters, sliding-window keys, bias flags, head_dim present or derived);
+`ModelConfig.from_hf` folds them into one dataclass our decoder understands.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from llmopt.errors import LlmoptError
+
+# architecture class name -> our family name
+SUPPORTED_ARCHITECTURES: dict[str, str] = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+}
+SUPPORTED_MODEL_TYPES = set(SUPPORTED_ARCHITECTURES.values())
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+_REQUIRED_KEYS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+)
+
+
+@dataclass
+class ModelConfig:
+    architecture: str  # e.g. "LlamaForCausalLM"
+    model_type: str  # "llama" | "mistral" | "qwen2"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None  # {"rope_type": ..., "factor": ..., ...}
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # q/k/v (and o for llama) projections carry a bias
+    o_proj_bias: bool = False
+    mlp_bias: bool = False
+    # one entry per layer: None = full attention, int = sliding window size
+    sliding_windows: list[int | None] = field(default_factory=list)
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+    torch_dtype: str | None = None
+
+    @property
+    def rope_type(self) -> str:
+        return (self.rope_scaling or {}).get("rope_type", "default")
+
+    @property
+    def num_parameters(self) -> int:
+        """Parameter count implied by the config (tied embeddings counted once)."""
+        h, d = self.hidden_size, self.head_dim
+        q, kv = self.num_attention_heads * d, self.num_key_value_heads * d
+        attn = h * q + 2 * h * kv + q * h
+        attn += (q + 2 * kv) * self.attention_bias + h * self.o_proj_bias
+        mlp = 3 * h * self.intermediate_size + (2 * self.intermediate_size + h) * self.mlp_bias
+        per_layer = attn + mlp + 2 * h
+        embed = self.vocab_size * h
+        return embed * (1 if self.tie_word_embeddings else 2) + self.num_hidden_layers * per_layer + h
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_hf(cls, raw: dict[str, Any], where: str = "config.json") -> "ModelConfig":
+        architecture = _architecture_of(raw, where)
+        model_type = SUPPORTED_ARCHITECTURES[architecture]
+        missing = [k for k in _REQUIRED_KEYS if raw.get(k) is None]
+        if missing:
+            raise LlmoptError(f"{where} is missing required key(s): {', '.join(missing)}")
+        try:
+            hidden = int(raw["hidden_size"])
+            heads = int(raw["num_attention_heads"])
+            kv_heads = int(raw.get("num_key_value_heads") or heads)
+            head_dim = int(raw.get("head_dim") or hidden // heads)
+            layers = int(raw["num_hidden_layers"])
+        except (TypeError, ValueError) as exc:
+            raise LlmoptError(f"{where} has a non-integer size field: {exc}") from None
+        if heads % kv_heads != 0:
+            raise LlmoptError(
+                f"{where}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}"
+            )
+        act = raw.get("hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise LlmoptError(f"{where}: hidden_act {act!r} is not supported (only silu)")
+
+        rope_theta, rope_scaling = _rope_of(raw, where)
+        eos = raw.get("eos_token_id")
+        eos_ids = [int(e) for e in (eos if isinstance(eos, list) else [eos]) if e is not None]
+        bias = bool(raw.get("attention_bias", False))
+        return cls(
+            architecture=architecture,
+            model_type=model_type,
+            vocab_size=int(raw["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(raw["intermediate_size"]),
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            # qwen2 always has q/k/v bias and never o_proj bias
+            attention_bias=True if model_type == "qwen2" else bias,
+            o_proj_bias=False if model_type == "qwen2" else bias,
+            mlp_bias=bool(raw.get("mlp_bias", False)),
+            sliding_windows=_sliding_windows_of(raw, model_type, layers),
+            bos_token_id=raw.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
+        )
+
+    @classmethod
+    def from_file(cls, path: Path) -> "ModelConfig":
+        return cls.from_hf(read_json(path), where=str(path))
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise LlmoptError(f"{path} does not exist") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise LlmoptError(f"{path} is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise LlmoptError(f"{path} must hold a JSON object")
+    return data
+
+
+def _architecture_of(raw: dict[str, Any], where: str) -> str:
+    archs = raw.get("architectures") or []
+    for arch in archs:
+        if arch in SUPPORTED_ARCHITECTURES:
+            return arch
+    model_type = raw.get("model_type")
+    for arch, family in SUPPORTED_ARCHITECTURES.items():
+        if family == model_type:
+            return arch
+    named = ", ".join(archs) if archs else (model_type or "none given")
+    supported = ", ".join(SUPPORTED_ARCHITECTURES)
+    raise LlmoptError(f"{where}: unsupported architecture {named}; supported: {supported}")
+
+
+def _rope_of(raw: dict[str, Any], where: str) -> tuple[float, dict[str, Any] | None]:
+    # transformers >= 5 writes rope_parameters = {rope_type, rope_theta, ...};
+    # older configs write rope_theta and rope_scaling = {type|rope_type, factor, ...}.
+    params = dict(raw.get("rope_parameters") or {})
+    scaling = dict(raw.get("rope_scaling") or {})
+    merged = {**scaling, **params}
+    theta = float(merged.pop("rope_theta", raw.get("rope_theta", 10000.0)))
+    rope_type = merged.pop("rope_type", None) or merged.pop("type", None) or "default"
+    merged.pop("type", None)
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise LlmoptError(
+            f"{where}: rope type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+        )
+    if rope_type == "default":
+        return theta, None
+    if "factor" not in merged:
+        raise LlmoptError(f"{where}: rope scaling {rope_type!r} needs a 'factor'")
+    return theta, {"rope_type": rope_type, **merged}
+
+
+def _sliding_windows_of(raw: dict[str, Any], model_type: str, layers: int) -> list[int | None]:
+    window = raw.get("sliding_window")
+    layer_types = raw.get("layer_types")
+    if model_type == "llama" or not window:
+        return [None] * layers
+    if layer_types and len(layer_types) == layers:
+        return [int(window) if t == "sliding_attention" else None for t in layer_types]
+    if model_type == "qwen2":
+        if not raw.get("use_sliding_window", False):
+            return [None] * layers
+        first = int(raw.get("max_window_layers", layers))
+        return [int(window) if i >= first else None for i in range(layers)]
+    return [int(window)] * layers  # mistral: every layer

@@ -1,0 +1,239 @@
+"""Reading GGUF files: metadata -> HF-style config, tensors -> HF names, tokenizer.
+
+The one place that parses GGUF metadata. llama.cpp's converter stores Llama q/k
+projection rows interleaved for its RoPE kernel; we undo that so the tensors match the
+Hugging Face layout our decoder (and transformers) use.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from llmopt.core.tokenizer import Tokenizer
+from llmopt.errors import LlmoptError
+
+SUPPORTED_GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+# GGUF tensor name (after "blk.N.") -> Hugging Face name (after "model.layers.N.")
+_LAYER_TENSORS = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+_GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+# llama.cpp pre-tokenizer names -> regex used to split text before byte-level BPE
+_LLAMA3_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_DIGIT_SPLIT_PRES = {"smollm", "starcoder", "refact", "codeshell", "command-r", "exaone", "minerva"}
+_LLAMA3_PRES = {"llama-bpe", "llama3", "smaug-bpe"}
+_GPT2_PRES = {"gpt-2", "gpt2", "default", "olmo", "jais"}
+SUPPORTED_GGUF_PRE_TOKENIZERS = sorted(_DIGIT_SPLIT_PRES | _LLAMA3_PRES | _GPT2_PRES | {"qwen2"})
+
+
+@dataclass
+class GGUFModel:
+    config: dict[str, Any]  # Hugging Face config.json content
+    tensors: dict[str, torch.Tensor]  # Hugging Face names, float32, HF layout
+    tokenizer: Tokenizer
+    file_type: str  # e.g. "Q4_1": what most weights were quantized to
+
+
+def read_gguf_metadata(path: Path):
+    """Open a GGUF file, checking every tensor lies inside the file. Returns a GGUFReader."""
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(str(path))
+    except FileNotFoundError:
+        raise LlmoptError(f"{path} does not exist") from None
+    except Exception as exc:  # gguf raises ValueError/IndexError/struct errors on bad bytes
+        raise LlmoptError(f"{path} is not a readable GGUF file (corrupt or truncated?): {exc}") from None
+    for t in reader.tensors:
+        if t.data.nbytes != t.n_bytes:
+            raise LlmoptError(f"{path} is truncated: tensor {t.name} needs {t.n_bytes} bytes, file has {t.data.nbytes}")
+    return reader
+
+
+def _field(reader, key: str, default: Any = None) -> Any:
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    return f.contents()
+
+
+def read_gguf_config(path: Path, reader=None) -> tuple[dict[str, Any], str]:
+    """The HF-style config of a GGUF file and its main weight type (e.g. "Q4_1"), without dequantizing."""
+    path = Path(path)
+    reader = reader or read_gguf_metadata(path)
+    arch = _field(reader, "general.architecture")
+    if arch not in SUPPORTED_GGUF_ARCHITECTURES:
+        raise LlmoptError(
+            f"{path}: unsupported GGUF architecture {arch!r}; supported: {', '.join(SUPPORTED_GGUF_ARCHITECTURES)}"
+        )
+    names = {t.name for t in reader.tensors}
+    if "rope_freqs.weight" in names:
+        raise LlmoptError(f"{path}: GGUF files with a rope_freqs tensor (Llama-3.1 RoPE scaling) are not supported yet")
+    type_counts: dict[str, int] = {}
+    for t in reader.tensors:
+        if len(t.shape) == 2:  # matrices: norms stay F32 in every GGUF type
+            type_counts[t.tensor_type.name] = type_counts.get(t.tensor_type.name, 0) + 1
+    file_type = max(type_counts, key=type_counts.get) if type_counts else "F32"
+    return _hf_config(reader, arch, names, path), file_type
+
+
+def read_gguf(path: Path) -> GGUFModel:
+    """Metadata, dequantized float32 tensors under HF names, and the tokenizer of a GGUF file."""
+    from gguf import quants
+
+    path = Path(path)
+    reader = read_gguf_metadata(path)
+    config, file_type = read_gguf_config(path, reader)
+    tensors: dict[str, torch.Tensor] = {}
+    for t in reader.tensors:
+        hf_name = _hf_tensor_name(t.name)
+        if hf_name is None:
+            continue
+        try:
+            array = quants.dequantize(t.data, t.tensor_type)
+        except Exception as exc:
+            raise LlmoptError(f"{path}: cannot dequantize {t.name} ({t.tensor_type.name}): {exc}") from None
+        array = np.ascontiguousarray(array, dtype=np.float32).reshape([int(d) for d in reversed(t.shape)])
+        if not array.flags.writeable:  # F32 tensors come back as views of the read-only file map
+            array = array.copy()
+        tensor = torch.from_numpy(array)
+        if config["model_type"] == "llama" and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = config["num_attention_heads"] if "q_proj" in hf_name else config["num_key_value_heads"]
+            tensor = _unpermute_qk(tensor, heads)
+        tensors[hf_name] = tensor
+    return GGUFModel(config=config, tensors=tensors, tokenizer=_tokenizer(reader, path), file_type=file_type)
+
+
+def _hf_tensor_name(name: str) -> str | None:
+    m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", name)
+    if m:
+        mapped = _LAYER_TENSORS.get(m.group(2))
+        return f"model.layers.{m.group(1)}.{mapped}.{m.group(3)}" if mapped else None
+    base, _, kind = name.rpartition(".")
+    mapped = _GLOBAL_TENSORS.get(base)
+    return f"{mapped}.{kind}" if mapped else None
+
+
+def _unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's q/k row permutation (interleaved pairs -> rotate-half halves)."""
+    rows = w.shape[0]
+    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape).contiguous()
+
+
+def _hf_config(reader, arch: str, tensor_names: set[str], path: Path) -> dict[str, Any]:
+    def key(name: str, default: Any = None, required: bool = False) -> Any:
+        value = _field(reader, f"{arch}.{name}", default)
+        if required and value is None:
+            raise LlmoptError(f"{path}: GGUF metadata is missing {arch}.{name}")
+        return value
+
+    heads = int(key("attention.head_count", required=True))
+    hidden = int(key("embedding_length", required=True))
+    tokens = _field(reader, "tokenizer.ggml.tokens") or []
+    config: dict[str, Any] = {
+        "architectures": [SUPPORTED_GGUF_ARCHITECTURES[arch]],
+        "model_type": arch,
+        "hidden_size": hidden,
+        "intermediate_size": int(key("feed_forward_length", required=True)),
+        "num_hidden_layers": int(key("block_count", required=True)),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(key("attention.head_count_kv", heads)),
+        "head_dim": int(key("rope.dimension_count", hidden // heads)),
+        # stored as float32 in GGUF: print it back the way the original config wrote it
+        "rms_norm_eps": float(f'{key("attention.layer_norm_rms_epsilon", 1e-5):.7g}'),
+        "rope_theta": float(key("rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(key("context_length", 2048)),
+        "vocab_size": int(key("vocab_size", len(tokens))),
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+        "hidden_act": "silu",
+        "attention_bias": any(n.endswith("attn_q.bias") for n in tensor_names) and arch == "llama",
+        "torch_dtype": "float32",
+    }
+    scaling_type = key("rope.scaling.type")
+    if scaling_type and scaling_type != "none":
+        if scaling_type != "linear":
+            raise LlmoptError(f"{path}: GGUF rope scaling {scaling_type!r} is not supported (only linear)")
+        config["rope_scaling"] = {"rope_type": "linear", "factor": float(key("rope.scaling.factor", 1.0))}
+    for name in ("bos", "eos"):
+        value = _field(reader, f"tokenizer.ggml.{name}_token_id")
+        if value is not None:
+            config[f"{name}_token_id"] = int(value)
+    return config
+
+
+def _tokenizer(reader, path: Path) -> Tokenizer:
+    from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+    from tokenizers import Tokenizer as HFTokenizer
+
+    kind = _field(reader, "tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise LlmoptError(
+            f"{path}: GGUF tokenizer model {kind!r} is not supported yet (only byte-level BPE, 'gpt2'); "
+            "load the model's Hugging Face folder instead"
+        )
+    pre = _field(reader, "tokenizer.ggml.pre", "default")
+    tokens: list[str] = _field(reader, "tokenizer.ggml.tokens")
+    merges = [tuple(m.split(" ", 1)) for m in _field(reader, "tokenizer.ggml.merges", [])]
+    token_types = _field(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+
+    backend = HFTokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=pre in _LLAMA3_PRES))
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)
+    if pre in _DIGIT_SPLIT_PRES:
+        backend.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
+        )
+    elif pre in _LLAMA3_PRES or pre == "qwen2":
+        regex = _QWEN2_REGEX if pre == "qwen2" else _LLAMA3_REGEX
+        backend.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Split(Regex(regex), behavior="isolated", invert=False), byte_level]
+        )
+    elif pre in _GPT2_PRES:
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    else:
+        raise LlmoptError(
+            f"{path}: GGUF pre-tokenizer {pre!r} is not supported; supported: {', '.join(SUPPORTED_GGUF_PRE_TOKENIZERS)}"
+        )
+    backend.decoder = decoders.ByteLevel()
+    # token types: 3 = control (special), 4 = user-defined (added, not special)
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, token_types) if k == 3])
+    backend.add_tokens([AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, token_types) if k == 4])
+
+    def token_of(name: str) -> str | None:
+        idx = _field(reader, f"tokenizer.ggml.{name}_token_id")
+        return tokens[int(idx)] if idx is not None and 0 <= int(idx) < len(tokens) else None
+
+    bos = token_of("bos")
+    if _field(reader, "tokenizer.ggml.add_bos_token", False) and bos is not None:
+        backend.post_processor = processors.TemplateProcessing(
+            single=f"{bos}:0 $A:0", pair=f"{bos}:0 $A:0 {bos}:1 $B:1", special_tokens=[(bos, vocab[bos])]
+        )
+    return Tokenizer(
+        backend=backend,
+        chat_template=_field(reader, "tokenizer.chat_template"),
+        bos_token=bos,
+        eos_token=token_of("eos"),
+        pad_token=token_of("padding"),
+        unk_token=token_of("unknown"),
+    )

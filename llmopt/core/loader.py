@@ -1,0 +1,116 @@
+"""`load(source)` -> LoadedModel: config, tokenizer and our decoder with its weights."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from llmopt.core.config import ModelConfig
+from llmopt.core.convert import DTYPES
+from llmopt.core.source import ModelSource, QuantizationInfo, resolve
+from llmopt.core.tokenizer import Tokenizer
+from llmopt.core.weights import load_safetensors, safetensors_files
+from llmopt.errors import LlmoptError
+from llmopt.model.llama import LlamaForCausalLM
+from llmopt.model.rope import rope_inv_freq
+
+
+@dataclass
+class LoadedModel:
+    source: ModelSource
+    config: ModelConfig
+    tokenizer: Tokenizer
+    model: LlamaForCausalLM
+    dtype: torch.dtype
+    device: torch.device
+
+    @property
+    def quantization(self) -> QuantizationInfo | None:
+        return self.source.quantization
+
+    @property
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in {id(p): p for p in self.model.parameters()}.values())
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    if dtype not in DTYPES:
+        raise LlmoptError(f"unknown dtype {dtype!r}; choose one of: auto, {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def load(source: ModelSource | str, dtype: str = "auto", device: str = "cpu") -> LoadedModel:
+    if isinstance(source, str):
+        source = resolve(source)
+    try:
+        torch_device = torch.device(device)
+    except RuntimeError:
+        raise LlmoptError(f"unknown device {device!r}") from None
+    if torch_device.type == "cuda" and not torch.cuda.is_available():
+        raise LlmoptError("device 'cuda' requested but CUDA is not available on this machine")
+    torch_dtype = resolve_dtype(dtype, torch_device)
+    quant = source.quantization
+    if quant is not None and quant.method in ("awq", "gptq"):
+        raise LlmoptError(
+            f"{source.spec} is a {quant.method.upper()} checkpoint ({quant.bits}-bit, group {quant.group_size}); "
+            "loading packed int4 weights is not implemented yet (it lands with `llmopt quantize`)"
+        )
+    config = source.config
+    if source.kind == "gguf":
+        from llmopt.core.gguf_file import read_gguf
+
+        gguf = read_gguf(source.path)
+        tensors, tokenizer = gguf.tensors, gguf.tokenizer
+    else:
+        tensors = load_safetensors(safetensors_files(source.path))
+        tokenizer = Tokenizer.from_dir(source.path, extra_eos_token_ids=_generation_eos(source.path, config))
+    tokenizer.extra_eos_token_ids = sorted(set(tokenizer.extra_eos_token_ids) | set(config.eos_token_ids))
+    model = build_model(config, tensors, torch_dtype, torch_device, where=str(source.path))
+    return LoadedModel(source=source, config=config, tokenizer=tokenizer, model=model,
+                       dtype=torch_dtype, device=torch_device)
+
+
+def build_model(
+    config: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device, where: str = "checkpoint"
+) -> LlamaForCausalLM:
+    """Our decoder holding `tensors` (HF names), checked for missing and mis-shaped tensors."""
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    expected = {name: p.shape for name, p in model.named_parameters()}
+    if config.tie_word_embeddings:
+        expected.pop("lm_head.weight", None)
+    missing = [n for n in expected if n not in tensors]
+    if missing:
+        shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+        raise LlmoptError(f"{where} is missing tensor(s) {shown}")
+    for name, shape in expected.items():
+        if tensors[name].shape != shape:
+            raise LlmoptError(
+                f"{where}: tensor {name} has shape {tuple(tensors[name].shape)}, config implies {tuple(shape)}"
+            )
+    state = {name: tensors[name].to(device=device, dtype=dtype) for name in expected}
+    model.load_state_dict(state, strict=False, assign=True)
+    if config.tie_word_embeddings:
+        model.tie_weights()
+    # non-persistent buffers were created on the meta device; compute them for real
+    model.model.rotary_emb.inv_freq = rope_inv_freq(config).to(device)
+    return model.eval()
+
+
+def _generation_eos(folder: Path, config: ModelConfig) -> list[int]:
+    path = folder / "generation_config.json"
+    ids = list(config.eos_token_ids)
+    if path.exists():
+        try:
+            eos = json.loads(path.read_text(encoding="utf-8")).get("eos_token_id")
+        except json.JSONDecodeError:
+            eos = None
+        for e in eos if isinstance(eos, list) else [eos]:
+            if isinstance(e, int) and e not in ids:
+                ids.append(e)
+    return ids

@@ -1,0 +1,116 @@
+"""Model specs -> typed sources: `resolve("default" | folder | file.gguf | org/name)`."""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from llmopt.core.config import ModelConfig, read_json
+from llmopt.errors import LlmoptError
+
+SUPPORTED_QUANT_METHODS = ("awq", "gptq")
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+@dataclass
+class QuantizationInfo:
+    method: str  # "awq" | "gptq" | "gguf"
+    bits: int | None = None
+    group_size: int | None = None
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class ModelSource:
+    spec: str  # what the user typed
+    kind: str  # "default" | "folder" | "hub" | "gguf"
+    path: Path  # a Hugging Face folder, or the .gguf file
+    config: ModelConfig
+    raw_config: dict[str, Any]  # the config.json content (or its GGUF equivalent)
+    quantization: QuantizationInfo | None = None
+    origin: str | None = None  # where the files came from when not `path` itself
+
+
+def resolve(spec: str) -> ModelSource:
+    """Turn a model spec into a source whose config has been read and checked."""
+    spec = spec.strip()
+    if not spec:
+        raise LlmoptError("empty model spec; use 'default', a local folder, a .gguf file or a hub id (org/name)")
+    if spec == "default":
+        from llmopt.core.embedded import default_gguf_path, default_model_dir
+
+        folder = default_model_dir()
+        source = _folder_source(spec, folder, kind="default")
+        source.origin = str(default_gguf_path())
+        source.quantization = QuantizationInfo(method="gguf", bits=4, details={"file_type": "Q4_1", "dequantized": True})
+        return source
+    path = Path(spec).expanduser()
+    if path.exists():
+        if path.is_dir():
+            return _folder_source(spec, path, kind="folder")
+        if path.suffix == ".gguf":
+            return _gguf_source(spec, path)
+        raise LlmoptError(f"{spec} is a file but not a .gguf file; pass a model folder, a .gguf file or a hub id")
+    if spec.endswith(".gguf") or spec.startswith((".", "/", "~")) or spec.count("/") > 1:
+        raise LlmoptError(f"{spec} does not exist")
+    if _HUB_ID.match(spec):
+        return _folder_source(spec, _download(spec), kind="hub")
+    raise LlmoptError(
+        f"unknown model spec {spec!r}: expected 'default', an existing folder, a .gguf file, or a hub id like org/name"
+    )
+
+
+def _folder_source(spec: str, folder: Path, kind: str) -> ModelSource:
+    config_path = folder / "config.json"
+    if not config_path.exists():
+        raise LlmoptError(f"{folder} has no config.json; is it a Hugging Face model folder?")
+    raw = read_json(config_path)
+    config = ModelConfig.from_hf(raw, where=str(config_path))
+    return ModelSource(spec=spec, kind=kind, path=folder, config=config, raw_config=raw,
+                       quantization=_quantization_of(raw, config_path))
+
+
+def _quantization_of(raw: dict[str, Any], where: Path) -> QuantizationInfo | None:
+    qc = raw.get("quantization_config")
+    if not qc:
+        return None
+    if not isinstance(qc, dict):
+        raise LlmoptError(f"{where}: quantization_config must be an object")
+    method = str(qc.get("quant_method", "")).lower()
+    if method not in SUPPORTED_QUANT_METHODS:
+        raise LlmoptError(
+            f"{where}: quantization method {method or 'none given'!r} is not supported; "
+            f"supported: {', '.join(SUPPORTED_QUANT_METHODS)}"
+        )
+    bits = qc.get("bits", qc.get("w_bit"))
+    group = qc.get("group_size", qc.get("q_group_size"))
+    return QuantizationInfo(method=method, bits=bits, group_size=group, details=dict(qc))
+
+
+def _gguf_source(spec: str, path: Path) -> ModelSource:
+    from llmopt.core.gguf_file import read_gguf_config
+
+    raw, file_type = read_gguf_config(path)
+    config = ModelConfig.from_hf(raw, where=str(path))
+    return ModelSource(spec=spec, kind="gguf", path=path, config=config, raw_config=raw,
+                       quantization=QuantizationInfo(method="gguf", details={"file_type": file_type}))
+
+
+def _download(repo_id: str) -> Path:
+    from huggingface_hub import snapshot_download
+
+    try:
+        folder = snapshot_download(
+            repo_id, allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.jinja", "*.model"]
+        )
+    except Exception as exc:  # network errors, missing repos, offline mode without a cached copy
+        offline = os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0")
+        why = "HF_HUB_OFFLINE is set and it is not in the local cache" if offline else f"{type(exc).__name__}: {exc}"
+        raise LlmoptError(
+            f"cannot get {repo_id!r} from the Hugging Face hub ({why}). Pass a local folder instead, "
+            "or unset HF_HUB_OFFLINE on a machine that reaches the hub"
+        ) from None
+    return Path(folder)

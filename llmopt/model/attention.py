@@ -1,0 +1,111 @@
+"""Attention back ends: how a layer's new K/V are stored and how queries read them.
+
+The decoder works on a flat batch: the new tokens of several sequences packed one after
+another. An `AttentionBackend` knows, for the current step, which slice of the batch
+belongs to which sequence and how many tokens each sequence already has cached. The
+paged runtime supplies a back end that reads K/V through block tables; this module has
+the simple contiguous one (one preallocated K/V strip per sequence) used by
+`llmopt generate` and the correctness tests.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+import torch.nn.functional as F
+
+
+class AttentionBackend(ABC):
+    @abstractmethod
+    def forward(
+        self,
+        layer_idx: int,
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim], RoPE applied
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim], RoPE applied
+        v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        sliding_window: int | None,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        ...
+
+
+def causal_mask(
+    query_len: int, context_len: int, sliding_window: int | None, device: torch.device
+) -> torch.Tensor | None:
+    """Boolean [query_len, context_len + query_len] mask (True = may attend), or None if all True.
+
+    Query i sits at absolute position context_len + i and sees keys j <= that position,
+    and with a sliding window only keys with position - j < window.
+    """
+    total = context_len + query_len
+    if query_len == 1 and (sliding_window is None or total <= sliding_window):
+        return None
+    q_pos = torch.arange(context_len, total, device=device)[:, None]
+    k_pos = torch.arange(total, device=device)[None, :]
+    mask = k_pos <= q_pos
+    if sliding_window is not None:
+        mask &= (q_pos - k_pos) < sliding_window
+    return mask
+
+
+def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """q [Lq, H, D], keys/values [Lk, KVH, D] -> [Lq, H, D]; grouped-query heads shared."""
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1).unsqueeze(0),
+        keys.transpose(0, 1).unsqueeze(0),
+        values.transpose(0, 1).unsqueeze(0),
+        attn_mask=mask,
+        enable_gqa=q.shape[1] != keys.shape[1],
+    )
+    return out.squeeze(0).transpose(0, 1)
+
+
+class ContiguousKVCache(AttentionBackend):
+    """One preallocated K/V strip of `max_seq_len` tokens per sequence slot.
+
+    Call `begin_step(slots, query_lens)` before each model forward and `end_step()` after
+    it; the flat batch must hold the new tokens of `slots` in that order.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        max_seq_len: int,
+        num_slots: int = 1,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ):
+        shape = (num_layers, num_slots, max_seq_len, num_kv_heads, head_dim)
+        self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
+        self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+        self.max_seq_len = max_seq_len
+        self.cached_lens = [0] * num_slots
+        self._slots: list[int] = []
+        self._query_lens: list[int] = []
+
+    def begin_step(self, slots: list[int], query_lens: list[int]) -> None:
+        for slot, qlen in zip(slots, query_lens):
+            if self.cached_lens[slot] + qlen > self.max_seq_len:
+                raise ValueError(f"slot {slot} would exceed max_seq_len={self.max_seq_len}")
+        self._slots, self._query_lens = list(slots), list(query_lens)
+
+    def end_step(self) -> None:
+        for slot, qlen in zip(self._slots, self._query_lens):
+            self.cached_lens[slot] += qlen
+
+    def forward(self, layer_idx, q, k, v, sliding_window):
+        out = torch.empty_like(q)
+        start = 0
+        for slot, qlen in zip(self._slots, self._query_lens):
+            end = start + qlen
+            ctx = self.cached_lens[slot]
+            self.k_cache[layer_idx, slot, ctx : ctx + qlen] = k[start:end]
+            self.v_cache[layer_idx, slot, ctx : ctx + qlen] = v[start:end]
+            keys = self.k_cache[layer_idx, slot, : ctx + qlen]
+            values = self.v_cache[layer_idx, slot, : ctx + qlen]
+            mask = causal_mask(qlen, ctx, sliding_window, q.device)
+            out[start:end] = attend(q[start:end], keys, values, mask)
+            start = end
+        return out

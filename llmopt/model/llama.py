@@ -1,0 +1,123 @@
+"""Our Llama-family decoder (llama, mistral, qwen2), in plain PyTorch.
+
+Module and tensor names mirror Hugging Face's so checkpoints load by name. The forward
+takes a flat batch of tokens (several sequences packed together) with their absolute
+positions, and an `AttentionBackend` that owns the KV cache; this keeps the model free of
+any notion of batches, padding or cache layout.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from llmopt.core.config import ModelConfig
+from llmopt.model.attention import AttentionBackend
+from llmopt.model.linear import make_linear
+from llmopt.model.rope import RotaryEmbedding, apply_rotary
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # normalise in fp32 like the reference implementation, then cast back
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.sliding_window = config.sliding_windows[layer_idx] if config.sliding_windows else None
+        hidden, q_size, kv_size = config.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.q_proj = make_linear(hidden, q_size, config.attention_bias)
+        self.k_proj = make_linear(hidden, kv_size, config.attention_bias)
+        self.v_proj = make_linear(hidden, kv_size, config.attention_bias)
+        self.o_proj = make_linear(q_size, hidden, config.o_proj_bias)
+
+    def forward(self, x, cos, sin, attn: AttentionBackend) -> torch.Tensor:
+        n = x.shape[0]
+        q = self.q_proj(x).view(n, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = attn.forward(self.layer_idx, q, k, v, self.sliding_window)
+        return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        h, i, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        self.gate_proj = make_linear(h, i, bias)
+        self.up_proj = make_linear(h, i, bias)
+        self.down_proj = make_linear(i, h, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.self_attn = Attention(config, layer_idx)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x, cos, sin, attn: AttentionBackend) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config)
+
+    def forward(self, input_ids, positions, attn: AttentionBackend) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rotary_emb(positions, x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin, attn)
+        return self.norm(x)
+
+
+class LlamaForCausalLM(nn.Module):
+    """The decoder. `forward` returns final hidden states; `compute_logits` the vocab logits.
+
+    Splitting the two lets callers project only the positions they sample from.
+    """
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config)
+        self.lm_head = make_linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def tie_weights(self) -> None:
+        self.lm_head.weight = self.model.embed_tokens.weight
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
+        """input_ids, positions: [num_tokens] -> hidden states [num_tokens, hidden_size]."""
+        return self.model(input_ids, positions, attn)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()

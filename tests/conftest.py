@@ -1,0 +1,106 @@
+"""Shared fixtures: an offline environment, a session cache, tiny random-weight models."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+# Tests never touch the network.
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def llmopt_cache(tmp_path_factory) -> Path:
+    """One cache for the whole run (the default model is converted at most once).
+
+    CI may point LLMOPT_CACHE somewhere persistent; otherwise a fresh temp folder.
+    """
+    if not os.environ.get("LLMOPT_CACHE"):
+        os.environ["LLMOPT_CACHE"] = str(tmp_path_factory.mktemp("llmopt-cache"))
+    return Path(os.environ["LLMOPT_CACHE"])
+
+
+def make_byte_tokenizer():
+    """A tiny byte-level BPE tokenizer: 256 byte tokens, a few merges, chat specials."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    alphabet = ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    merges = [("Ġ", "t"), ("h", "e"), ("Ġt", "he"), ("i", "n")]
+    for a, b in merges:
+        vocab[a + b] = len(vocab)
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens([AddedToken(t, special=True) for t in ("<|endoftext|>", "<|im_start|>", "<|im_end|>")])
+    return backend
+
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n'}}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+TINY_CONFIGS = {
+    "llama": dict(architectures=["LlamaForCausalLM"], model_type="llama", tie_word_embeddings=False),
+    "llama-tied-rope-llama3": dict(
+        architectures=["LlamaForCausalLM"], model_type="llama", tie_word_embeddings=True,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 64},
+    ),
+    "llama-linear-rope": dict(
+        architectures=["LlamaForCausalLM"], model_type="llama", rope_scaling={"rope_type": "linear", "factor": 2.0}
+    ),
+    "mistral": dict(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=8),
+    "qwen2": dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", tie_word_embeddings=True),
+}
+
+
+def write_tiny_model(folder: Path, kind: str, seed: int = 0) -> Path:
+    """Save a tiny random-weight transformers model of `kind` (see TINY_CONFIGS) with a tokenizer."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from llmopt.core.tokenizer import Tokenizer
+
+    backend = make_byte_tokenizer()
+    extra = dict(TINY_CONFIGS[kind])
+    model_type = extra.pop("model_type")
+    config = AutoConfig.for_model(
+        model_type,
+        vocab_size=backend.get_vocab_size(),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-6,
+        bos_token_id=None,
+        eos_token_id=backend.token_to_id("<|im_end|>"),
+        **extra,
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # random init is tiny; widen it so logits differ meaningfully
+        for p in model.parameters():
+            p.normal_(0, 0.2)
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder)
+    Tokenizer(backend=backend, chat_template=CHAT_TEMPLATE, eos_token="<|im_end|>").save(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tiny")
+    return {kind: write_tiny_model(root / kind, kind) for kind in TINY_CONFIGS}
+
+
+def read_config(folder: Path) -> dict:
+    return json.loads((folder / "config.json").read_text())
