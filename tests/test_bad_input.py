@@ -1,0 +1,176 @@
+"""Bad input: one clear line on stderr, exit code 2, no traceback, nothing half-written."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from conftest import read_config
+from llmopt.cli.main import app
+
+runner = CliRunner()
+
+
+def run_cli(*args: str):
+    result = runner.invoke(app, list(args))
+    return result.exit_code, result.stderr, result.stdout
+
+
+def assert_usage_error(args, *fragments):
+    code, err, out = run_cli(*args)
+    assert code == 2, (code, err, out)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    assert "Traceback" not in err + out
+    for fragment in fragments:
+        assert fragment in lines[0], (fragment, lines[0])
+    return lines[0]
+
+
+def copy_model(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_unknown_spec():
+    assert_usage_error(["models", "info", "no-such-model"], "unknown model spec 'no-such-model'", "default")
+
+
+def test_missing_folder(tmp_path):
+    missing = tmp_path / "nowhere"
+    assert_usage_error(["generate", str(missing) + "/", "-p", "hi"], str(missing), "does not exist")
+
+
+def test_missing_gguf_file(tmp_path):
+    assert_usage_error(["models", "info", str(tmp_path / "x.gguf")], "does not exist")
+
+
+def test_folder_without_config(tmp_path):
+    assert_usage_error(["models", "info", str(tmp_path)], "has no config.json")
+
+
+def test_corrupt_safetensors(tiny_models, tmp_path):
+    folder = copy_model(tiny_models["llama"], tmp_path / "m")
+    (folder / "model.safetensors").write_bytes(b"\x00garbage" * 100)
+    assert_usage_error(["generate", str(folder), "-p", "hi"], "model.safetensors", "corrupt or truncated")
+
+
+def test_truncated_safetensors(tiny_models, tmp_path):
+    folder = copy_model(tiny_models["llama"], tmp_path / "m")
+    weights = folder / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2])
+    assert_usage_error(["generate", str(folder), "-p", "hi"], "model.safetensors", "corrupt or truncated")
+
+
+def test_missing_tensor(tiny_models, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    folder = copy_model(tiny_models["llama"], tmp_path / "m")
+    tensors = load_file(folder / "model.safetensors")
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, folder / "model.safetensors")
+    assert_usage_error(["generate", str(folder), "-p", "hi"], "missing tensor", "model.layers.1.mlp.up_proj.weight")
+
+
+def test_unsupported_architecture(tiny_models, tmp_path):
+    folder = copy_model(tiny_models["llama"], tmp_path / "m")
+    config = read_config(folder)
+    config.update(architectures=["GPT2LMHeadModel"], model_type="gpt2")
+    (folder / "config.json").write_text(json.dumps(config))
+    line = assert_usage_error(["models", "info", str(folder)], "unsupported architecture GPT2LMHeadModel")
+    for supported in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"):
+        assert supported in line
+
+
+def test_config_missing_keys(tiny_models, tmp_path):
+    folder = copy_model(tiny_models["llama"], tmp_path / "m")
+    config = read_config(folder)
+    del config["hidden_size"], config["num_hidden_layers"]
+    (folder / "config.json").write_text(json.dumps(config))
+    assert_usage_error(["models", "info", str(folder)], "missing required key(s)", "hidden_size", "num_hidden_layers")
+
+
+def test_config_not_json(tiny_models, tmp_path):
+    folder = copy_model(tiny_models["llama"], tmp_path / "m")
+    (folder / "config.json").write_text("{not json")
+    assert_usage_error(["models", "info", str(folder)], "not valid JSON")
+
+
+def test_corrupt_gguf(tmp_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + b"\xff" * 64)
+    assert_usage_error(["models", "info", str(bad)], "bad.gguf", "not a readable GGUF file")
+
+
+def test_truncated_gguf(tmp_path):
+    from llmopt.core.embedded import default_gguf_path
+
+    data = default_gguf_path().read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[: len(data) // 3])
+    assert_usage_error(["models", "info", str(cut)], "cut.gguf", "truncated")
+
+
+def test_hub_id_offline(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert_usage_error(["models", "info", "nobody-here/not-a-model"], "nobody-here/not-a-model", "HF_HUB_OFFLINE")
+
+
+def test_quantized_folder_is_recognised_but_not_loaded(tiny_models, tmp_path):
+    folder = copy_model(tiny_models["llama"], tmp_path / "m")
+    config = read_config(folder)
+    config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True,
+                                     "version": "gemm"}
+    (folder / "config.json").write_text(json.dumps(config))
+    code, _, out = run_cli("models", "info", str(folder), "--json")
+    assert code == 0
+    assert json.loads(out)["quantization"]["method"] == "awq"
+    assert_usage_error(["generate", str(folder), "-p", "hi"], "AWQ checkpoint", "not implemented yet")
+
+
+def test_unknown_quantization_method(tiny_models, tmp_path):
+    folder = copy_model(tiny_models["llama"], tmp_path / "m")
+    config = read_config(folder)
+    config["quantization_config"] = {"quant_method": "bitsandbytes"}
+    (folder / "config.json").write_text(json.dumps(config))
+    assert_usage_error(["models", "info", str(folder)], "'bitsandbytes' is not supported", "awq, gptq")
+
+
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        (["--temperature", "-1"], "temperature must be >= 0"),
+        (["--top-p", "1.5"], "top_p must be in (0, 1]"),
+        (["--max-tokens", "0"], "max_tokens must be a positive integer"),
+        (["--dtype", "int3"], "unknown dtype 'int3'"),
+    ],
+)
+def test_bad_generate_options(tiny_models, args, fragment):
+    assert_usage_error(["generate", str(tiny_models["llama"]), "-p", "hi", *args], fragment)
+
+
+def test_empty_prompt(tiny_models):
+    assert_usage_error(["generate", str(tiny_models["llama"]), "-p", "  "], "--prompt is empty")
+
+
+def test_convert_refuses_existing_output(tiny_models, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    assert_usage_error(["models", "convert", str(tiny_models["llama"]), "-o", str(out)], "already exists", "--force")
+
+
+def test_real_process_exit_code_and_debug_flag():
+    """The installed entry point, not just the test runner: exit 2, one line; --debug adds the traceback."""
+    plain = subprocess.run([sys.executable, "-m", "llmopt", "models", "info", "nope"], capture_output=True, text=True)
+    assert plain.returncode == 2 and plain.stderr.strip().startswith("error: unknown model spec")
+    assert "Traceback" not in plain.stderr
+    debug = subprocess.run([sys.executable, "-m", "llmopt", "--debug", "models", "info", "nope"],
+                           capture_output=True, text=True)
+    assert debug.returncode == 2 and "Traceback" in debug.stderr

@@ -1,0 +1,85 @@
+"""Sampler: filters on hand-made distributions, seeded reproducibility."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from llmopt.errors import LlmoptError
+from llmopt.runtime import SamplingParams
+from llmopt.runtime.sampler import filtered_probs, make_generator, sample
+
+# probabilities 0.5, 0.25, 0.125, 0.0625, 0.0625
+LOGITS = torch.log(torch.tensor([0.5, 0.25, 0.125, 0.0625, 0.0625]))
+
+
+def test_temperature_one_keeps_distribution():
+    probs = filtered_probs(LOGITS, SamplingParams(temperature=1.0))
+    assert torch.allclose(probs, torch.tensor([0.5, 0.25, 0.125, 0.0625, 0.0625]))
+
+
+def test_temperature_sharpens():
+    probs = filtered_probs(LOGITS, SamplingParams(temperature=0.5))
+    expected = torch.tensor([0.25, 0.0625, 0.015625, 0.00390625, 0.00390625])
+    assert torch.allclose(probs, expected / expected.sum())
+
+
+def test_top_k():
+    probs = filtered_probs(LOGITS, SamplingParams(top_k=2))
+    assert torch.allclose(probs, torch.tensor([2 / 3, 1 / 3, 0, 0, 0]))
+
+
+def test_top_p_keeps_smallest_covering_set():
+    # 0.5 + 0.25 = 0.75 < 0.8, so the third token is needed too
+    probs = filtered_probs(LOGITS, SamplingParams(top_p=0.8))
+    assert torch.allclose(probs, torch.tensor([0.5, 0.25, 0.125, 0, 0]) / 0.875)
+    # exactly covered: 0.75 needs only two tokens
+    probs = filtered_probs(LOGITS, SamplingParams(top_p=0.75))
+    assert torch.allclose(probs, torch.tensor([2 / 3, 1 / 3, 0, 0, 0]))
+
+
+def test_min_p():
+    probs = filtered_probs(LOGITS, SamplingParams(min_p=0.3))  # drops tokens below 0.15
+    assert torch.allclose(probs, torch.tensor([2 / 3, 1 / 3, 0, 0, 0]))
+
+
+def test_greedy_and_seeded_sampling():
+    logits = torch.randn(3, 100, generator=torch.Generator().manual_seed(0))
+    greedy = SamplingParams(temperature=0)
+    assert sample(logits, [greedy] * 3, [None] * 3) == logits.argmax(-1).tolist()
+
+    seeded = SamplingParams(temperature=1.0, seed=123)
+    draws = [sample(logits[:1], [seeded], [make_generator(seeded)]) for _ in range(2)]
+    assert draws[0] == draws[1]
+    # the same seeded request in a different batch position draws the same token
+    other = SamplingParams(temperature=1.0, seed=5)
+    batch = sample(torch.cat([logits[1:2], logits[:1]]), [other, seeded], [make_generator(other), make_generator(seeded)])
+    assert batch[1] == draws[0][0]
+
+
+def test_sampling_follows_distribution():
+    params = SamplingParams(temperature=1.0, seed=0)
+    gen = make_generator(params)
+    counts = torch.zeros(5)
+    for _ in range(4000):
+        counts[sample(LOGITS[None], [params], [gen])[0]] += 1
+    freq = counts / counts.sum()
+    # 4000 draws: standard error of p=0.5 is ~0.008
+    assert torch.allclose(freq, LOGITS.exp(), atol=0.03)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [dict(temperature=-0.1), dict(top_p=0.0), dict(top_p=1.01), dict(max_tokens=0), dict(top_k=-2), dict(min_p=2.0)],
+)
+def test_invalid_params(kwargs):
+    with pytest.raises(LlmoptError):
+        SamplingParams(**kwargs)
+
+
+def test_unseeded_generators_differ():
+    p = SamplingParams(temperature=1.0)
+    a, b = make_generator(p), make_generator(p)
+    assert not math.isclose(torch.rand(1, generator=a).item(), torch.rand(1, generator=b).item())
