@@ -13,7 +13,8 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 
 import torch
-import torch.nn.functional as F
+
+from llmopt.kernels.paged_attention import attend, prefill_mask
 
 
 class AttentionBackend(ABC):
@@ -27,37 +28,6 @@ class AttentionBackend(ABC):
         sliding_window: int | None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         ...
-
-
-def causal_mask(
-    query_len: int, context_len: int, sliding_window: int | None, device: torch.device
-) -> torch.Tensor | None:
-    """Boolean [query_len, context_len + query_len] mask (True = may attend), or None if all True.
-
-    Query i sits at absolute position context_len + i and sees keys j <= that position,
-    and with a sliding window only keys with position - j < window.
-    """
-    total = context_len + query_len
-    if query_len == 1 and (sliding_window is None or total <= sliding_window):
-        return None
-    q_pos = torch.arange(context_len, total, device=device)[:, None]
-    k_pos = torch.arange(total, device=device)[None, :]
-    mask = k_pos <= q_pos
-    if sliding_window is not None:
-        mask &= (q_pos - k_pos) < sliding_window
-    return mask
-
-
-def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """q [Lq, H, D], keys/values [Lk, KVH, D] -> [Lq, H, D]; grouped-query heads shared."""
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1).unsqueeze(0),
-        keys.transpose(0, 1).unsqueeze(0),
-        values.transpose(0, 1).unsqueeze(0),
-        attn_mask=mask,
-        enable_gqa=q.shape[1] != keys.shape[1],
-    )
-    return out.squeeze(0).transpose(0, 1)
 
 
 class ContiguousKVCache(AttentionBackend):
@@ -105,7 +75,7 @@ class ContiguousKVCache(AttentionBackend):
             self.v_cache[layer_idx, slot, ctx : ctx + qlen] = v[start:end]
             keys = self.k_cache[layer_idx, slot, : ctx + qlen]
             values = self.v_cache[layer_idx, slot, : ctx + qlen]
-            mask = causal_mask(qlen, ctx, sliding_window, q.device)
+            mask = prefill_mask(qlen, ctx, sliding_window, q.device)
             out[start:end] = attend(q[start:end], keys, values, mask)
             start = end
         return out

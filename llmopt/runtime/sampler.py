@@ -1,10 +1,12 @@
-"""Turning logits into next tokens: greedy, temperature, top-k, top-p, min-p.
+"""Turning logits into next tokens: penalties, greedy, temperature, top-k, top-p, min-p, logprobs.
 
 Each request samples with its own `torch.Generator` (seeded from `SamplingParams.seed`),
 so a seeded request draws the same tokens whatever else is in the batch.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -40,14 +42,70 @@ def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     return probs / probs.sum()
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[int]:
-    """logits [batch, vocab] -> one next token id per row."""
-    greedy_ids = logits.argmax(dim=-1).tolist()
-    out: list[int] = []
-    for row, (p, gen) in enumerate(zip(params, generators)):
+def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int], output_ids: list[int]) -> torch.Tensor:
+    """vLLM's semantics: repetition penalty over prompt + output, presence/frequency over output."""
+    logits = logits.clone()
+    if params.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(prompt_ids) | set(output_ids)), dtype=torch.long)
+        vals = logits[seen]
+        logits[seen] = torch.where(vals > 0, vals / params.repetition_penalty, vals * params.repetition_penalty)
+    if output_ids and (params.presence_penalty or params.frequency_penalty):
+        counts = torch.bincount(torch.tensor(output_ids, dtype=torch.long), minlength=logits.shape[-1])[: logits.shape[-1]]
+        logits -= params.frequency_penalty * counts.to(logits.dtype)
+        logits -= params.presence_penalty * (counts > 0).to(logits.dtype)
+    return logits
+
+
+@dataclass
+class SampleRequest:
+    """What the sampler needs to know about one row."""
+
+    params: SamplingParams
+    generator: torch.Generator | None
+    prompt_ids: list[int]
+    output_ids: list[int]
+    blocked_ids: list[int]  # tokens that may not be sampled now (EOS/stop ids before min_tokens)
+
+
+@dataclass
+class SampleResult:
+    token_id: int
+    # {token_id: logprob} for the chosen token and the top-N, when logprobs were asked for
+    logprobs: dict[int, float] | None = None
+
+
+def sample_batch(logits: torch.Tensor, requests: list[SampleRequest]) -> list[SampleResult]:
+    """logits [batch, vocab] -> one result per row."""
+    logits = logits.float()
+    plain = all(not r.params.uses_penalties and not r.blocked_ids for r in requests)
+    greedy_ids = logits.argmax(dim=-1).tolist() if plain else None
+    results: list[SampleResult] = []
+    for row, req in enumerate(requests):
+        p = req.params
+        row_logits = logits[row]
+        if p.uses_penalties:
+            row_logits = apply_penalties(row_logits, p, req.prompt_ids, req.output_ids)
+        if req.blocked_ids:
+            row_logits = row_logits.clone()
+            row_logits[req.blocked_ids] = float("-inf")
         if p.greedy:
-            out.append(greedy_ids[row])
+            token = greedy_ids[row] if greedy_ids is not None else int(row_logits.argmax())
         else:
-            probs = filtered_probs(logits[row], p)
-            out.append(int(torch.multinomial(probs, 1, generator=gen)))
-    return out
+            token = int(torch.multinomial(filtered_probs(row_logits, p), 1, generator=req.generator))
+        logprobs = None
+        if p.logprobs is not None:
+            # logprobs of the model's distribution (after penalties), as vLLM reports them
+            lp = torch.log_softmax(row_logits, dim=-1)
+            logprobs = {token: float(lp[token])}
+            if p.logprobs > 0:
+                top = torch.topk(lp, p.logprobs)
+                for tid, val in zip(top.indices.tolist(), top.values.tolist()):
+                    logprobs.setdefault(tid, val)
+        results.append(SampleResult(token, logprobs))
+    return results
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[int]:
+    """Plain sampling (no penalties or blocked tokens): logits [batch, vocab] -> token ids."""
+    requests = [SampleRequest(p, g, [], [], []) for p, g in zip(params, generators)]
+    return [r.token_id for r in sample_batch(logits, requests)]

@@ -15,11 +15,19 @@ class SamplingParams:
     top_k: int = 0  # 0 or -1 = off
     min_p: float = 0.0  # drop tokens below min_p * p(most likely token)
     seed: int | None = None
+    presence_penalty: float = 0.0  # OpenAI semantics: subtract once for every token already generated
+    frequency_penalty: float = 0.0  # ... and once per occurrence
+    repetition_penalty: float = 1.0  # HF/CTRL semantics over prompt and output tokens; 1 = off
+    stop: list[str] | str | None = None  # stop strings (not included in the output)
     stop_token_ids: list[int] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
     ignore_eos: bool = False
+    min_tokens: int = 0  # EOS and stop tokens are suppressed until this many are generated
+    logprobs: int | None = None  # None = off; N = the chosen token's logprob plus the top N
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise LlmoptError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
         if self.temperature < 0:
             raise LlmoptError(f"temperature must be >= 0, got {self.temperature}")
@@ -29,7 +37,32 @@ class SamplingParams:
             raise LlmoptError(f"top_k must be -1, 0 (off) or a positive integer, got {self.top_k}")
         if not 0 <= self.min_p <= 1:
             raise LlmoptError(f"min_p must be in [0, 1], got {self.min_p}")
+        if not -2 <= self.presence_penalty <= 2 or not -2 <= self.frequency_penalty <= 2:
+            raise LlmoptError("presence_penalty and frequency_penalty must be in [-2, 2]")
+        if self.repetition_penalty <= 0:
+            raise LlmoptError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise LlmoptError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise LlmoptError(f"logprobs must be between 0 and 20, got {self.logprobs}")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if self.stop is not None:
+            if not isinstance(self.stop, list) or not all(isinstance(s, str) for s in self.stop):
+                raise LlmoptError(f"stop must be a string or a list of strings, got {type(self.stop).__name__}")
+            if any(s == "" for s in self.stop):
+                raise LlmoptError("stop strings must not be empty")
+        if not isinstance(self.stop_token_ids, list) or not all(isinstance(t, int) for t in self.stop_token_ids):
+            raise LlmoptError("stop_token_ids must be a list of integers")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def stop_strings(self) -> list[str]:
+        return list(self.stop or [])
+
+    @property
+    def uses_penalties(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)

@@ -1,0 +1,84 @@
+"""Paged attention in plain PyTorch: the CPU path and the reference for the Triton kernel.
+
+K/V for one layer live in a flat slot array `[num_slots, num_kv_heads, head_dim]`, where
+slot = block_id * block_size + offset. A sequence's keys are gathered through its slot
+indices (derived from its block table), so sequences never need contiguous memory.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+             k: torch.Tensor, v: torch.Tensor) -> None:
+    """Store new keys/values [num_tokens, kv_heads, head_dim] at their slots."""
+    k_cache.index_copy_(0, slot_mapping, k)
+    v_cache.index_copy_(0, slot_mapping, v)
+
+
+def decode_mask(context_lens: torch.Tensor, max_len: int, sliding_window: int | None) -> torch.Tensor:
+    """[batch, 1, 1, max_len] boolean mask for one query per sequence at position len-1."""
+    key_pos = torch.arange(max_len, device=context_lens.device)[None, :]
+    mask = key_pos < context_lens[:, None]
+    if sliding_window is not None:
+        mask &= key_pos > (context_lens[:, None] - 1 - sliding_window)
+    return mask[:, None, None, :]
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           gather_slots: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """One query token per sequence.
+
+    q [batch, heads, head_dim]; gather_slots [batch, max_len] slot of each key position
+    (padding may point anywhere: it is masked); mask from `decode_mask`. Returns
+    [batch, heads, head_dim].
+    """
+    keys = k_cache[gather_slots].transpose(1, 2)  # [batch, kv_heads, max_len, head_dim]
+    values = v_cache[gather_slots].transpose(1, 2)
+    out = F.scaled_dot_product_attention(
+        q.unsqueeze(2), keys, values, attn_mask=mask, enable_gqa=q.shape[1] != keys.shape[1]
+    )
+    return out.squeeze(2)
+
+
+def prefill_mask(query_len: int, context_len: int, sliding_window: int | None,
+                 device: torch.device) -> torch.Tensor | None:
+    """Boolean [query_len, context_len + query_len] mask (True = may attend), or None if all True.
+
+    Query i sits at absolute position context_len + i and sees keys j <= that position,
+    and with a sliding window only keys with position - j < window.
+    """
+    total = context_len + query_len
+    if query_len == 1 and (sliding_window is None or total <= sliding_window):
+        return None
+    q_pos = torch.arange(context_len, total, device=device)[:, None]
+    k_pos = torch.arange(total, device=device)[None, :]
+    mask = k_pos <= q_pos
+    if sliding_window is not None:
+        mask &= (q_pos - k_pos) < sliding_window
+    return mask
+
+
+def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """q [Lq, H, D], keys/values [Lk, KVH, D] -> [Lq, H, D]; grouped-query heads shared."""
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1).unsqueeze(0),
+        keys.transpose(0, 1).unsqueeze(0),
+        values.transpose(0, 1).unsqueeze(0),
+        attn_mask=mask,
+        enable_gqa=q.shape[1] != keys.shape[1],
+    )
+    return out.squeeze(0).transpose(0, 1)
+
+
+def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            slots: torch.Tensor, context_len: int, sliding_window: int | None) -> torch.Tensor:
+    """A chunk of `query_len` tokens of one sequence after `context_len` cached ones.
+
+    q [query_len, heads, head_dim]; slots [context_len + query_len] the slots of all its
+    keys in order (the chunk's own K/V already written). Returns [query_len, heads, head_dim].
+    """
+    mask = prefill_mask(q.shape[0], context_len, sliding_window, q.device)
+    return attend(q, k_cache[slots], v_cache[slots], mask)

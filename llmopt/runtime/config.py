@@ -1,0 +1,65 @@
+"""Engine configuration (vLLM's flag names) and KV pool sizing."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from llmopt.errors import LlmoptError
+
+
+@dataclass
+class EngineConfig:
+    max_num_seqs: int = 64  # most requests running at once
+    max_num_batched_tokens: int = 1024  # token budget of one step (prompt chunks + decodes)
+    max_model_len: int | None = None  # prompt + output limit; default: the model's context
+    block_size: int = 16  # tokens per KV block
+    enable_prefix_caching: bool = True
+    kv_cache_memory: int | None = None  # bytes for the KV pool; CPU default: 10% of available RAM
+    gpu_memory_utilization: float = 0.9  # GPU: fraction of device memory llmopt may use in all
+    num_kv_blocks: int | None = None  # exact pool size (tests, benchmarks); overrides the two above
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise LlmoptError(f"{name} must be a positive integer, got {value!r}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise LlmoptError(f"max_model_len must be positive, got {self.max_model_len}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise LlmoptError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise LlmoptError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise LlmoptError(f"num_kv_blocks must be positive, got {self.num_kv_blocks}")
+
+
+def available_memory_bytes() -> int:
+    """MemAvailable from /proc/meminfo (Linux), else a conservative 4 GiB."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 4 << 30
+
+
+def parse_bytes(text: str) -> int:
+    """'2GiB', '512MB', '1e9' -> bytes."""
+    units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6, "gb": 10**9, "b": 1,
+             "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+    s = text.strip().lower().replace(" ", "")
+    for unit in sorted(units, key=len, reverse=True):
+        if s.endswith(unit):
+            number, scale = s[: -len(unit)], units[unit]
+            break
+    else:
+        number, scale = s, 1
+    try:
+        value = int(float(number) * scale)
+    except ValueError:
+        raise LlmoptError(f"cannot read {text!r} as a size (examples: 2GiB, 512MiB, 1e9)") from None
+    if value <= 0:
+        raise LlmoptError(f"size must be positive, got {text!r}")
+    return value

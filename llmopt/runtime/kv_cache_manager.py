@@ -1,0 +1,159 @@
+"""The paged KV cache's bookkeeping: a pool of fixed-size blocks, block tables, prefix cache.
+
+The cache memory itself lives in the model runner as `[num_blocks * block_size]` slots per
+layer; this module decides which block holds which tokens. A sequence's block table maps
+its i-th `block_size` tokens to a block. With prefix caching, every full block is named
+by a chained hash of (parent hash, its token ids) — sha256, so a hit never depends on
+luck — and blocks are reference-counted so sequences with a common prefix share them.
+Freed blocks keep their hash and stay reusable, in LRU order, until they are needed for
+new tokens (vLLM's design).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from llmopt.runtime.sequence import Sequence
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: bytes | None = None
+
+
+def hash_block(parent: bytes | None, token_ids: list[int]) -> bytes:
+    h = hashlib.sha256(parent or b"root")
+    h.update(b",".join(str(t).encode() for t in token_ids))
+    return h.digest()
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError("num_blocks and block_size must be positive")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        # free blocks, least recently freed first; popping from the front evicts LRU
+        self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.cached_blocks: dict[bytes, int] = {}
+        # prefix-cache statistics, in tokens (as vLLM counts them)
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+        self.peak_used_blocks = 0
+
+    # ---- accounting -------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self.free_queue)
+
+    @property
+    def usage(self) -> float:
+        return self.num_used_blocks / self.num_blocks
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # ---- prefix cache -----------------------------------------------------------------
+    def _hash_full_blocks(self, seq: Sequence) -> None:
+        bs = self.block_size
+        for i in range(len(seq.block_hashes), seq.num_tokens // bs):
+            parent = seq.block_hashes[i - 1] if i else None
+            seq.block_hashes.append(hash_block(parent, seq.token_ids[i * bs : (i + 1) * bs]))
+
+    def get_computed_blocks(self, seq: Sequence) -> list[int]:
+        """Leading blocks of `seq` whose K/V are already cached (a new or preempted request)."""
+        if not self.enable_prefix_caching:
+            return []
+        self._hash_full_blocks(seq)
+        # the last token is always recomputed: its logits are needed to sample
+        max_blocks = (seq.num_tokens - 1) // self.block_size
+        hits: list[int] = []
+        for block_hash in seq.block_hashes[:max_blocks]:
+            block_id = self.cached_blocks.get(block_hash)
+            if block_id is None:
+                break
+            hits.append(block_id)
+        self.prefix_cache_queries += seq.num_tokens
+        self.prefix_cache_hits += len(hits) * self.block_size
+        return hits
+
+    # ---- allocation -------------------------------------------------------------------
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int, computed_blocks: list[int] | None = None) -> bool:
+        """Make room for `num_new_tokens` more tokens after the computed ones; False if the pool is short.
+
+        `computed_blocks` (from get_computed_blocks) are prefix-cache hits to put at the
+        start of a sequence that holds no blocks yet.
+        """
+        computed_blocks = computed_blocks or []
+        num_computed = seq.num_computed_tokens + len(computed_blocks) * self.block_size
+        num_required = self.blocks_needed(num_computed + num_new_tokens) - len(seq.block_table) - len(computed_blocks)
+        # a cached hit sitting in the free queue is taken out of it, so it is not free for new tokens
+        num_revived = sum(1 for b in computed_blocks if self.blocks[b].ref_cnt == 0)
+        if num_required > self.num_free_blocks - num_revived:
+            return False
+        for block_id in computed_blocks:
+            block = self.blocks[block_id]
+            if block.ref_cnt == 0:
+                del self.free_queue[block_id]
+            block.ref_cnt += 1
+            seq.block_table.append(block_id)
+        seq.num_cached_blocks = len(seq.block_table)
+        for _ in range(max(num_required, 0)):
+            seq.block_table.append(self._pop_free_block())
+        self.peak_used_blocks = max(self.peak_used_blocks, self.num_used_blocks)
+        return True
+
+    def _pop_free_block(self) -> int:
+        block_id, _ = self.free_queue.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.block_hash is not None:  # evict it from the prefix cache
+            if self.cached_blocks.get(block.block_hash) == block_id:
+                del self.cached_blocks[block.block_hash]
+            block.block_hash = None
+        block.ref_cnt = 1
+        return block_id
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Register the blocks of `seq` that are full and computed in the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
+        if num_full <= seq.num_cached_blocks:
+            return
+        self._hash_full_blocks(seq)
+        for i in range(seq.num_cached_blocks, num_full):
+            block = self.blocks[seq.block_table[i]]
+            block_hash = seq.block_hashes[i]
+            # the same content computed twice (two requests in one step): keep the first copy
+            if block.block_hash is None and block_hash not in self.cached_blocks:
+                block.block_hash = block_hash
+                self.cached_blocks[block_hash] = block.block_id
+        seq.num_cached_blocks = num_full
+
+    def free(self, seq: Sequence) -> None:
+        """Release a sequence's blocks (finished, aborted or preempted)."""
+        # tail blocks first, so they are evicted before the shared prefix blocks
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_cnt -= 1
+            assert block.ref_cnt >= 0, f"block {block_id} freed twice"
+            if block.ref_cnt == 0:
+                self.free_queue[block_id] = None
+        seq.block_table = []
+        seq.num_cached_blocks = 0
+
+    def reset_prefix_cache(self) -> None:
+        for block in self.blocks:
+            if block.ref_cnt == 0:
+                block.block_hash = None
+        self.cached_blocks = {h: b for h, b in self.cached_blocks.items() if self.blocks[b].ref_cnt > 0}

@@ -1,0 +1,138 @@
+"""Runs our decoder on a scheduled step: packs the flat batch, owns the paged KV memory.
+
+The KV cache is one `[num_blocks * block_size, kv_heads, head_dim]` slot array per layer
+for K and one for V. Each step the runner turns the scheduler's (sequence, tokens) list
+into input ids, positions, slot mappings and gather indices, and runs one forward.
+Sequences with a single new token (decodes) go first in the batch and share one batched
+attention call; prompt chunks are attended one sequence at a time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from llmopt.kernels.paged_attention import decode_mask, paged_decode_attention, paged_prefill_attention, write_kv
+from llmopt.model.attention import AttentionBackend
+from llmopt.model.llama import LlamaForCausalLM
+from llmopt.runtime.sequence import Sequence
+
+
+@dataclass
+class StepMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens] where each new token's K/V go
+    num_decodes: int  # the first num_decodes tokens are single-token sequences
+    decode_slots: torch.Tensor | None  # [num_decodes, max_len] slots of every key position
+    decode_lens: torch.Tensor | None  # [num_decodes] keys per decode (incl. the new token)
+    # per prompt chunk: (start, end) in the batch, its key slots, tokens already cached
+    prefills: list[tuple[int, int, torch.Tensor, int]] = field(default_factory=list)
+    _masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
+
+    def decode_mask(self, sliding_window: int | None) -> torch.Tensor:
+        if sliding_window not in self._masks:
+            self._masks[sliding_window] = decode_mask(self.decode_lens, self.decode_slots.shape[1], sliding_window)
+        return self._masks[sliding_window]
+
+
+class PagedAttentionBackend(AttentionBackend):
+    def __init__(self, k_caches: torch.Tensor, v_caches: torch.Tensor):
+        self.k_caches = k_caches  # [layers, slots, kv_heads, head_dim]
+        self.v_caches = v_caches
+        self.metadata: StepMetadata | None = None
+
+    def forward(self, layer_idx, q, k, v, sliding_window):
+        md = self.metadata
+        k_cache, v_cache = self.k_caches[layer_idx], self.v_caches[layer_idx]
+        write_kv(k_cache, v_cache, md.slot_mapping, k, v)
+        if not md.prefills:
+            return paged_decode_attention(q, k_cache, v_cache, md.decode_slots, md.decode_mask(sliding_window))
+        out = torch.empty_like(q)
+        n = md.num_decodes
+        if n:
+            out[:n] = paged_decode_attention(q[:n], k_cache, v_cache, md.decode_slots, md.decode_mask(sliding_window))
+        for start, end, slots, context_len in md.prefills:
+            out[start:end] = paged_prefill_attention(q[start:end], k_cache, v_cache, slots, context_len, sliding_window)
+        return out
+
+
+def kv_bytes_per_block(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> int:
+    cfg = model.config
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * cfg.head_dim * elem
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int,
+                 dtype: torch.dtype, device: torch.device):
+        cfg = model.config
+        self.model = model
+        self.block_size = block_size
+        self.device = device
+        shape = (cfg.num_hidden_layers, num_blocks * block_size, cfg.num_key_value_heads, cfg.head_dim)
+        # zeros, not empty: padded gather positions read (masked) slots, which must be finite
+        self.attn = PagedAttentionBackend(torch.zeros(shape, dtype=dtype, device=device),
+                                          torch.zeros(shape, dtype=dtype, device=device))
+
+    def _slots(self, seq: Sequence, start: int, end: int) -> list[int]:
+        bs, table = self.block_size, seq.block_table
+        return [table[p // bs] * bs + p % bs for p in range(start, end)]
+
+    @torch.inference_mode()
+    def execute(self, scheduled: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, list[Sequence]]:
+        """Run one step; return logits [n, vocab] for the sequences that now sample, and those sequences.
+
+        A sequence samples when this step computes its last known token (a decode, or the
+        final chunk of its prompt); earlier prompt chunks only fill the cache.
+        """
+        decodes = [(s, n) for s, n in scheduled if n == 1]
+        prefills = [(s, n) for s, n in scheduled if n > 1]
+        ids: list[int] = []
+        positions: list[int] = []
+        slot_mapping: list[int] = []
+        sample_rows: list[int] = []
+        samplers: list[Sequence] = []
+
+        for seq, _ in decodes:
+            pos = seq.num_computed_tokens
+            ids.append(seq.token_ids[pos])
+            positions.append(pos)
+            slot_mapping.extend(self._slots(seq, pos, pos + 1))
+        decode_slots = decode_lens = None
+        if decodes:
+            lens = [s.num_computed_tokens + 1 for s, _ in decodes]
+            max_len = max(lens)
+            decode_slots = torch.tensor(
+                [self._slots(s, 0, n) + [0] * (max_len - n) for (s, _), n in zip(decodes, lens)], device=self.device
+            )
+            decode_lens = torch.tensor(lens, device=self.device)
+            for row, (seq, _) in enumerate(decodes):
+                if seq.num_computed_tokens + 1 == seq.num_tokens:
+                    sample_rows.append(row)
+                    samplers.append(seq)
+
+        prefill_meta = []
+        for seq, n in prefills:
+            start, ctx = len(ids), seq.num_computed_tokens
+            ids.extend(seq.token_ids[ctx : ctx + n])
+            positions.extend(range(ctx, ctx + n))
+            slot_mapping.extend(self._slots(seq, ctx, ctx + n))
+            slots = torch.tensor(self._slots(seq, 0, ctx + n), device=self.device)
+            prefill_meta.append((start, start + n, slots, ctx))
+            if ctx + n == seq.num_tokens:
+                sample_rows.append(start + n - 1)
+                samplers.append(seq)
+
+        self.attn.metadata = StepMetadata(
+            slot_mapping=torch.tensor(slot_mapping, device=self.device),
+            num_decodes=len(decodes),
+            decode_slots=decode_slots,
+            decode_lens=decode_lens,
+            prefills=prefill_meta,
+        )
+        hidden = self.model(torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device), self.attn)
+        self.attn.metadata = None
+        if not sample_rows:
+            return torch.empty(0, self.model.config.vocab_size), []
+        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
+        return logits, samplers
