@@ -9,7 +9,7 @@ from conftest import TINY_CONFIGS
 from llmopt.core import load
 from llmopt.model.attention import ContiguousKVCache
 from llmopt.runtime import SamplingParams
-from llmopt.runtime.generate import generate
+from llmopt.runtime.llm import LLM
 
 PROMPTS = [
     [5, 17, 99, 3, 42],
@@ -75,8 +75,9 @@ def test_greedy_generation_matches_transformers(tiny_models, kind):
     ref = hf_model(folder)
     ref.generation_config.eos_token_id = None
     ref.generation_config.pad_token_id = 0
+    llm = LLM(ours, num_kv_blocks=64)
     for prompt in PROMPTS[:3]:
-        result = generate(ours, prompt, SamplingParams(max_tokens=32, temperature=0, ignore_eos=True))
+        result = llm.generate([prompt], SamplingParams(max_tokens=32, temperature=0, ignore_eos=True))[0].outputs[0]
         with torch.no_grad():
             expected = ref.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                                     max_new_tokens=32, do_sample=False)[0, len(prompt):]

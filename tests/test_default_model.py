@@ -12,7 +12,7 @@ import torch
 
 from llmopt.core import load, resolve
 from llmopt.runtime import SamplingParams
-from llmopt.runtime.generate import generate
+from llmopt.runtime.llm import LLM
 
 pytestmark = pytest.mark.integration
 
@@ -77,9 +77,11 @@ def test_logits_match_transformers(loaded, hf):
 
 def test_greedy_32_tokens_match_transformers(loaded, hf):
     model, _ = hf
+    llm = LLM(loaded, num_kv_blocks=256)
     for messages in MESSAGES:
         ids = loaded.tokenizer.encode_chat(messages)
-        ours = generate(loaded, ids, SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)).token_ids
+        params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+        ours = llm.generate([ids], params)[0].outputs[0].token_ids
         with torch.no_grad():
             # neither side stops at EOS, so all 32 positions are compared
             model.generation_config.eos_token_id = None
@@ -104,6 +106,8 @@ def test_generate_cli_json_and_seeded_sampling():
            "--temperature", "1.0", "--seed", "7", "--json"]
     first = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
     second = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
-    assert first["token_ids"] == second["token_ids"]
-    assert first["num_generated_tokens"] == len(first["token_ids"]) <= 12
-    assert first["tokens_per_s"] > 0 and first["text"]
+    a, b = first["requests"][0], second["requests"][0]
+    assert a["token_ids"] == b["token_ids"]
+    assert a["num_generated_tokens"] == len(a["token_ids"]) <= 12
+    assert first["output_tokens_per_s"] > 0 and a["text"]
+    assert a["metrics"]["time_to_first_token_s"] > 0

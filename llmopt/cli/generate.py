@@ -1,6 +1,12 @@
-"""`llmopt generate`: one-shot offline generation."""
+"""`llmopt generate`: offline generation for one prompt or a file of them, on the paged runtime."""
 
 from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
 
 import typer
 
@@ -8,57 +14,151 @@ from llmopt.cli.common import err_console, handles_errors, print_json
 from llmopt.errors import LlmoptError
 
 
+def read_prompts_file(path: Path) -> list[Any]:
+    """.txt: one prompt per non-empty line; .jsonl: {"prompt": ...} or {"messages": [...]} per line."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise LlmoptError(f"prompts file {path} does not exist") from None
+    except UnicodeDecodeError:
+        raise LlmoptError(f"prompts file {path} is not UTF-8 text") from None
+    if path.suffix != ".jsonl":
+        return [line for line in text.splitlines() if line.strip()]
+    prompts: list[Any] = []
+    for lineno, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise LlmoptError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
+        if isinstance(item, str):
+            prompts.append(item)
+        elif isinstance(item, dict) and isinstance(item.get("prompt"), str):
+            prompts.append(item["prompt"])
+        elif isinstance(item, dict) and isinstance(item.get("messages"), list):
+            prompts.append({"messages": item["messages"]})
+        else:
+            raise LlmoptError(f"{path}:{lineno}: expected a string, {{\"prompt\": str}} or {{\"messages\": [...]}}")
+    return prompts
+
+
 @handles_errors
 def generate(
     model: str = typer.Argument("default", help="'default', a model folder, a .gguf file or a hub id"),
-    prompt: str = typer.Option(..., "--prompt", "-p", help="The prompt (a user message for chat models)."),
+    prompt: list[str] = typer.Option([], "--prompt", "-p", help="A prompt (a user message for chat models); repeatable."),
+    prompts_file: Path | None = typer.Option(None, "--prompts-file", "-f", help=".txt (a prompt per line) or .jsonl ({\"prompt\"} or {\"messages\"})."),
     system: str | None = typer.Option(None, "--system", help="System message (chat models)."),
     chat: bool | None = typer.Option(None, "--chat/--no-chat", help="Apply the chat template (default: when the model has one)."),
-    max_tokens: int = typer.Option(256, "--max-tokens", "-n", help="Most tokens to generate."),
+    max_tokens: int = typer.Option(256, "--max-tokens", "-n", help="Most tokens to generate per prompt."),
     temperature: float = typer.Option(0.8, "--temperature", "-t", help="0 = greedy."),
     top_p: float = typer.Option(0.95, "--top-p"),
     top_k: int = typer.Option(40, "--top-k", help="0 = off."),
     min_p: float = typer.Option(0.0, "--min-p"),
     seed: int | None = typer.Option(None, "--seed", help="Make sampling reproducible."),
+    stop: list[str] = typer.Option([], "--stop", help="Stop string; repeatable."),
+    presence_penalty: float = typer.Option(0.0, "--presence-penalty"),
+    frequency_penalty: float = typer.Option(0.0, "--frequency-penalty"),
+    repetition_penalty: float = typer.Option(1.0, "--repetition-penalty"),
     ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Keep going past end-of-sequence."),
+    max_num_seqs: int = typer.Option(64, "--max-num-seqs", help="Most requests running at once."),
+    max_num_batched_tokens: int = typer.Option(1024, "--max-num-batched-tokens", help="Token budget per step."),
+    max_model_len: int | None = typer.Option(None, "--max-model-len", help="Prompt + output limit (default: the model's context)."),
+    block_size: int = typer.Option(16, "--block-size", help="Tokens per KV block."),
+    enable_prefix_caching: bool = typer.Option(True, "--enable-prefix-caching/--no-enable-prefix-caching"),
+    kv_cache_memory: str | None = typer.Option(None, "--kv-cache-memory", help="KV pool size, e.g. 2GiB (CPU default: 10% of free RAM)."),
+    gpu_memory_utilization: float = typer.Option(0.9, "--gpu-memory-utilization"),
     dtype: str = typer.Option("auto", "--dtype", help="auto, float32, bfloat16 or float16"),
     device: str = typer.Option("cpu", "--device"),
     json_output: bool = typer.Option(False, "--json", help="Print one JSON document."),
 ) -> None:
-    """Generate a completion for one prompt."""
-    from llmopt.core import load
+    """Generate completions for one or many prompts, continuously batched."""
     from llmopt.runtime import SamplingParams
-    from llmopt.runtime.generate import generate as run_generate
+    from llmopt.runtime.config import EngineConfig, parse_bytes
 
-    if not prompt.strip():
+    prompts: list[Any] = list(prompt) + (read_prompts_file(prompts_file) if prompts_file else [])
+    if not prompts:
+        raise LlmoptError("give a prompt with --prompt or a file with --prompts-file")
+    if len(prompts) == 1 and isinstance(prompts[0], str) and not prompts[0].strip():
         raise LlmoptError("--prompt is empty")
-    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                            min_p=min_p, seed=seed, ignore_eos=ignore_eos)
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+                            seed=seed, stop=stop or None, presence_penalty=presence_penalty,
+                            frequency_penalty=frequency_penalty, repetition_penalty=repetition_penalty,
+                            ignore_eos=ignore_eos)
+    config = EngineConfig(
+        max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
+        block_size=block_size, enable_prefix_caching=enable_prefix_caching,
+        kv_cache_memory=parse_bytes(kv_cache_memory) if kv_cache_memory else None,
+        gpu_memory_utilization=gpu_memory_utilization,
+    )
+    from llmopt.core import load
+    from llmopt.runtime.llm import LLM
+
     loaded = load(model, dtype=dtype, device=device)
-    tokenizer = loaded.tokenizer
-    use_chat = tokenizer.is_chat if chat is None else chat
-    if use_chat:
-        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-        prompt_ids = tokenizer.encode_chat(messages)
-    else:
-        if system:
-            raise LlmoptError("--system needs the chat template; drop --no-chat")
-        prompt_ids = tokenizer.encode(prompt)
-    result = run_generate(loaded, prompt_ids, params)
-    stats = {
-        "num_prompt_tokens": len(result.prompt_token_ids),
-        "num_generated_tokens": len(result.token_ids),
-        "finish_reason": result.finish_reason,
-        "time_to_first_token_s": round(result.time_to_first_token_s, 4),
-        "elapsed_s": round(result.elapsed_s, 4),
-        "tokens_per_s": round(result.tokens_per_s, 2),
+    use_chat = loaded.tokenizer.is_chat if chat is None else chat
+    if system and not use_chat:
+        raise LlmoptError("--system needs the chat template; drop --no-chat")
+    requests = [_as_request(p, use_chat, system) for p in prompts]
+    llm = LLM(loaded, **asdict(config))
+    start = time.perf_counter()
+    outputs = llm.generate(requests, params)
+    elapsed = time.perf_counter() - start
+
+    output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    failed = [(i, o) for i, o in enumerate(outputs) if o.error]
+    records = [
+        {
+            "index": i,
+            "prompt": p if isinstance(p, str) else p.get("messages"),
+            "text": o.outputs[0].text,
+            "finish_reason": o.outputs[0].finish_reason,
+            "error": o.error,
+            "num_prompt_tokens": len(o.prompt_token_ids),
+            "num_cached_tokens": o.num_cached_tokens,
+            "num_generated_tokens": len(o.outputs[0].token_ids),
+            "prompt_token_ids": o.prompt_token_ids,
+            "token_ids": o.outputs[0].token_ids,
+            "metrics": o.metrics.to_dict(),
+        }
+        for i, (p, o) in enumerate(zip(prompts, outputs))
+    ]
+    summary = {
+        "model": model,
+        "chat": use_chat,
+        "num_requests": len(outputs),
+        "num_failed": len(failed),
+        "output_tokens": output_tokens,
+        "elapsed_s": round(elapsed, 4),
+        "output_tokens_per_s": round(output_tokens / elapsed, 2) if elapsed > 0 else 0.0,
+        "engine": asdict(llm.engine.stats()),
     }
     if json_output:
-        print_json({"model": model, "prompt": prompt, "chat": use_chat, "text": result.text,
-                    "prompt_token_ids": result.prompt_token_ids, "token_ids": result.token_ids, **stats})
-        return
-    typer.echo(result.text)
-    err_console.print(
-        f"[dim]{stats['num_generated_tokens']} tokens, {stats['tokens_per_s']} tok/s, "
-        f"first token {stats['time_to_first_token_s'] * 1000:.0f} ms, finish: {result.finish_reason}[/dim]"
-    )
+        print_json({**summary, "requests": records})
+    else:
+        for record in records:
+            if record["error"]:
+                continue
+            if len(records) > 1:
+                typer.echo(f"--- [{record['index']}] ({record['finish_reason']})")
+            typer.echo(record["text"])
+        ttfts = [r["metrics"]["time_to_first_token_s"] for r in records if r["metrics"]["time_to_first_token_s"]]
+        mean_ttft = sum(ttfts) / len(ttfts) * 1000 if ttfts else 0.0
+        err_console.print(
+            f"[dim]{len(outputs)} request(s), {output_tokens} tokens in {elapsed:.2f} s = "
+            f"{summary['output_tokens_per_s']} tok/s, mean TTFT {mean_ttft:.0f} ms[/dim]"
+        )
+    for i, out in failed:
+        typer.echo(f"error: prompt {i}: {out.error}", err=True)
+    if failed:
+        raise typer.Exit(2)
+
+
+def _as_request(prompt: Any, use_chat: bool, system: str | None) -> Any:
+    if isinstance(prompt, dict):  # chat messages from a .jsonl file
+        return prompt
+    if not use_chat:
+        return prompt
+    if not prompt.strip():
+        return ""  # rejected by the engine as an empty prompt, for this request only
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+    return {"messages": messages}

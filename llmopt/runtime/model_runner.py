@@ -70,9 +70,10 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         shape = (cfg.num_hidden_layers, num_blocks * block_size, cfg.num_key_value_heads, cfg.head_dim)
-        # zeros, not empty: padded gather positions read (masked) slots, which must be finite
-        self.attn = PagedAttentionBackend(torch.zeros(shape, dtype=dtype, device=device),
-                                          torch.zeros(shape, dtype=dtype, device=device))
+        # left uninitialised (no page is touched until used): attention only ever gathers
+        # slots that were written, padding included (see `execute`)
+        self.attn = PagedAttentionBackend(torch.empty(shape, dtype=dtype, device=device),
+                                          torch.empty(shape, dtype=dtype, device=device))
 
     def _slots(self, seq: Sequence, start: int, end: int) -> list[int]:
         bs, table = self.block_size, seq.block_table
@@ -102,9 +103,12 @@ class ModelRunner:
         if decodes:
             lens = [s.num_computed_tokens + 1 for s, _ in decodes]
             max_len = max(lens)
-            decode_slots = torch.tensor(
-                [self._slots(s, 0, n) + [0] * (max_len - n) for (s, _), n in zip(decodes, lens)], device=self.device
-            )
+            rows = []
+            for (seq, _), n in zip(decodes, lens):
+                slots = self._slots(seq, 0, n)
+                # pad with a written slot: masked keys must still be finite numbers (0 * NaN = NaN)
+                rows.append(slots + [slots[0]] * (max_len - n))
+            decode_slots = torch.tensor(rows, device=self.device)
             decode_lens = torch.tensor(lens, device=self.device)
             for row, (seq, _) in enumerate(decodes):
                 if seq.num_computed_tokens + 1 == seq.num_tokens:

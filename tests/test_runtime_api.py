@@ -1,0 +1,126 @@
+"""Engine APIs: per-request validation, seeded sampling across batches, stops, async streaming and abort."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from llmopt.core import load
+from llmopt.errors import LlmoptError
+from llmopt.runtime import SamplingParams
+from llmopt.runtime.async_engine import AsyncLLM
+from llmopt.runtime.llm import LLM
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_models):
+    return load(str(tiny_models["llama"]), dtype="float32")
+
+
+def make_llm(tiny, **kw):
+    return LLM(tiny, num_kv_blocks=kw.pop("num_kv_blocks", 256), max_model_len=kw.pop("max_model_len", 128), **kw)
+
+
+def test_bad_requests_rejected_alone(tiny):
+    llm = make_llm(tiny)
+    prompts = ["hello there", "", list(range(5, 200)), "the cat", [999999]]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    assert [o.error is None for o in outs] == [True, False, False, True, False]
+    assert "empty" in outs[1].error
+    assert "max_model_len" in outs[2].error
+    assert "outside the vocabulary" in outs[4].error
+    assert all(len(o.outputs[0].token_ids) == 8 for o in (outs[0], outs[3]))
+    with pytest.raises(LlmoptError, match="lower max_tokens to at most"):
+        llm.engine.add_request([5] * 100, SamplingParams(max_tokens=100))
+
+
+def test_seeded_sampling_independent_of_batch(tiny):
+    params = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, seed=1234, ignore_eos=True)
+    alone = make_llm(tiny).generate(["the quick brown fox"], params)[0].outputs[0].token_ids
+    others = [SamplingParams(max_tokens=n, temperature=1.0, ignore_eos=True) for n in (3, 20, 9)]
+    batch = make_llm(tiny, max_num_batched_tokens=8).generate(
+        ["zzz", "in the beginning", "the quick brown fox", "x y z"], [others[0], others[1], params, others[2]]
+    )
+    assert batch[2].outputs[0].token_ids == alone
+
+
+def test_stop_token_ids_stop_strings_and_min_tokens(tiny):
+    llm = make_llm(tiny)
+    greedy = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    full = llm.generate(["the"], greedy)[0].outputs[0]
+    stop_id = full.token_ids[5]
+    out = llm.generate(["the"], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True,
+                                               stop_token_ids=[stop_id]))[0].outputs[0]
+    first = full.token_ids.index(stop_id)
+    assert out.token_ids == full.token_ids[: first + 1]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_id
+    # min_tokens suppresses the stop token until enough tokens exist
+    late = llm.generate(["the"], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, min_tokens=first + 2,
+                                                stop_token_ids=[stop_id]))[0].outputs[0]
+    assert stop_id not in late.token_ids[: first + 2]
+    # a stop string cuts the text
+    piece = full.text[3:6]
+    if piece:
+        cut = llm.generate(["the"], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, stop=[piece]))[0]
+        assert cut.outputs[0].finish_reason == "stop" and cut.outputs[0].stop_reason == piece
+        assert cut.outputs[0].text == full.text[: full.text.index(piece)]
+
+
+def test_logprobs(tiny):
+    llm = make_llm(tiny)
+    out = llm.generate(["hello"], SamplingParams(max_tokens=4, temperature=0, logprobs=3, ignore_eos=True))[0].outputs[0]
+    assert len(out.logprobs) == 4
+    for token, lp in zip(out.token_ids, out.logprobs):
+        assert token in lp and len(lp) == 3  # greedy: the chosen token is the top-1
+        assert max(lp.values()) == lp[token] <= 0.0
+
+
+def test_async_streaming_and_abort_frees_blocks(tiny):
+    async def main():
+        engine = AsyncLLM.from_spec(tiny, num_kv_blocks=256, max_model_len=128)
+        params = SamplingParams(max_tokens=50, temperature=0, ignore_eos=True)
+
+        async def full(prompt):
+            texts, last = [], None
+            async for out in engine.generate(prompt, params):
+                texts.append(out.outputs[0].new_text)
+                last = out
+            return "".join(texts), last
+
+        async def abandon(prompt):
+            got = 0
+            async for _ in engine.generate(prompt, params, request_id="victim"):
+                got += 1
+                if got == 5:
+                    break  # the client goes away mid-stream
+            return got
+
+        (text, last), got = await asyncio.gather(full("the cat sat"), abandon("a dog ran"))
+        assert got == 5
+        assert last.finished and len(last.outputs[0].token_ids) == 50
+        assert text == last.outputs[0].text
+        stats = engine.stats()
+        assert stats.num_requests_running == 0 and stats.num_requests_waiting == 0
+        assert stats.kv_cache_usage_perc == 0.0  # the aborted request's blocks are back in the pool
+        assert "victim" not in engine.engine.requests
+
+        # cancelling the consuming task aborts too
+        async def consume():
+            async for _ in engine.generate("hello world", params, request_id="cancelled"):
+                await asyncio.sleep(0)
+
+        task = asyncio.create_task(consume())
+        while engine.stats().num_requests_running == 0:
+            await asyncio.sleep(0.001)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert "cancelled" not in engine.engine.requests
+        assert engine.stats().kv_cache_usage_perc == 0.0
+
+        with pytest.raises(LlmoptError):
+            async for _ in engine.generate("", params):
+                pass
+
+    asyncio.run(main())
