@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import logging
+import sys
+
 import typer
 
 from llmopt import __version__
@@ -28,8 +31,16 @@ def _version(value: bool) -> None:
 def root(
     version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks for errors."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No start-up log lines on stderr."),
 ) -> None:
     DEBUG["enabled"] = debug
+    # start-up facts (KV cache size, ...) go to stderr, never into --json output on stdout
+    logger = logging.getLogger("llmopt")
+    if not logger.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("llmopt: %(message)s"))
+        logger.addHandler(handler)
+    logger.setLevel(logging.WARNING if quiet else (logging.DEBUG if debug else logging.INFO))
 
 
 app.command("generate")(generate_cmd.generate)

@@ -14,7 +14,7 @@ from llmopt.core.source import ModelSource, QuantizationInfo, resolve
 from llmopt.core.tokenizer import Tokenizer
 from llmopt.core.weights import load_safetensors, safetensors_files
 from llmopt.errors import LlmoptError
-from llmopt.model.llama import LlamaForCausalLM
+from llmopt.model.llama import LlamaForCausalLM, checkpoint_names
 from llmopt.model.rope import rope_inv_freq
 
 
@@ -84,22 +84,33 @@ def build_model(
     expected = {name: p.shape for name, p in model.named_parameters()}
     if config.tie_word_embeddings:
         expected.pop("lm_head.weight", None)
-    missing = [n for n in expected if n not in tensors]
+    sources = {name: checkpoint_names(name) for name in expected}
+    missing = [part for parts in sources.values() for part in parts if part not in tensors]
     if missing:
         shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
         raise LlmoptError(f"{where} is missing tensor(s) {shown}")
-    for name, shape in expected.items():
-        if tensors[name].shape != shape:
+    state = {}
+    for name, parts in sources.items():
+        tensor = tensors[parts[0]] if len(parts) == 1 else _stack(tensors, parts, where)
+        if tensor.shape != expected[name]:
             raise LlmoptError(
-                f"{where}: tensor {name} has shape {tuple(tensors[name].shape)}, config implies {tuple(shape)}"
+                f"{where}: tensor {', '.join(parts)} has shape {tuple(tensor.shape)}, config implies {tuple(expected[name])}"
             )
-    state = {name: tensors[name].to(device=device, dtype=dtype) for name in expected}
+        state[name] = tensor.to(device=device, dtype=dtype)
     model.load_state_dict(state, strict=False, assign=True)
     if config.tie_word_embeddings:
         model.tie_weights()
     # non-persistent buffers were created on the meta device; compute them for real
     model.model.rotary_emb.inv_freq = rope_inv_freq(config).to(device)
     return model.eval()
+
+
+def _stack(tensors: dict[str, torch.Tensor], parts: list[str], where: str) -> torch.Tensor:
+    try:
+        return torch.cat([tensors[p] for p in parts], dim=0)
+    except RuntimeError:
+        shapes = ", ".join(f"{p} {tuple(tensors[p].shape)}" for p in parts)
+        raise LlmoptError(f"{where}: tensors do not fit together: {shapes}") from None
 
 
 def _generation_eos(folder: Path, config: ModelConfig) -> list[int]:

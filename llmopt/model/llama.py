@@ -18,6 +18,21 @@ from llmopt.model.linear import make_linear
 from llmopt.model.rope import RotaryEmbedding, apply_rotary
 
 
+# our fused projections and the checkpoint tensors stacked into them (along the output dim)
+STACKED_PROJECTIONS = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+}
+
+
+def checkpoint_names(param_name: str) -> list[str]:
+    """The checkpoint tensor name(s) a parameter of our model is made of."""
+    for fused, parts in STACKED_PROJECTIONS.items():
+        if f".{fused}." in param_name:
+            return [param_name.replace(fused, part) for part in parts]
+    return [param_name]
+
+
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float):
         super().__init__()
@@ -41,17 +56,17 @@ class Attention(nn.Module):
         self.head_dim = config.head_dim
         self.sliding_window = config.sliding_windows[layer_idx] if config.sliding_windows else None
         hidden, q_size, kv_size = config.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.q_proj = make_linear(hidden, q_size, config.attention_bias)
-        self.k_proj = make_linear(hidden, kv_size, config.attention_bias)
-        self.v_proj = make_linear(hidden, kv_size, config.attention_bias)
+        self.q_size, self.kv_size = q_size, kv_size
+        # q, k and v in one matmul (checkpoints' q_proj/k_proj/v_proj are stacked at load)
+        self.qkv_proj = make_linear(hidden, q_size + 2 * kv_size, config.attention_bias)
         self.o_proj = make_linear(q_size, hidden, config.o_proj_bias)
 
     def forward(self, x, cos, sin, attn: AttentionBackend) -> torch.Tensor:
         n = x.shape[0]
-        q = self.q_proj(x).view(n, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rotary(q.view(n, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rotary(k.view(n, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.view(n, self.num_kv_heads, self.head_dim)
         out = attn.forward(self.layer_idx, q, k, v, self.sliding_window)
         return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
 
@@ -60,12 +75,14 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         h, i, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
-        self.gate_proj = make_linear(h, i, bias)
-        self.up_proj = make_linear(h, i, bias)
+        self.intermediate_size = i
+        # gate and up in one matmul (stacked at load from gate_proj/up_proj)
+        self.gate_up_proj = make_linear(h, 2 * i, bias)
         self.down_proj = make_linear(i, h, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):

@@ -79,6 +79,21 @@ class ModelRunner:
         bs, table = self.block_size, seq.block_table
         return [table[p // bs] * bs + p % bs for p in range(start, end)]
 
+    def _gather_slots(self, block_tables: list[list[int]], lens: torch.Tensor) -> torch.Tensor:
+        """[batch, max_len] slot of every key position of each sequence.
+
+        Positions past a sequence's length are padded with its first slot: masked keys
+        must still be finite numbers (0 * NaN = NaN), and that slot is always written.
+        """
+        bs = self.block_size
+        max_len = int(lens.max())
+        width = -(-max_len // bs)
+        table = torch.tensor([t[:width] + [t[0]] * (width - len(t[:width])) for t in block_tables])
+        pos = torch.arange(max_len)
+        slots = table[:, pos // bs] * bs + pos % bs
+        slots = torch.where(pos[None, :] < lens[:, None], slots, slots[:, :1])
+        return slots.to(self.device)
+
     @torch.inference_mode()
     def execute(self, scheduled: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, list[Sequence]]:
         """Run one step; return logits [n, vocab] for the sequences that now sample, and those sequences.
@@ -101,15 +116,8 @@ class ModelRunner:
             slot_mapping.extend(self._slots(seq, pos, pos + 1))
         decode_slots = decode_lens = None
         if decodes:
-            lens = [s.num_computed_tokens + 1 for s, _ in decodes]
-            max_len = max(lens)
-            rows = []
-            for (seq, _), n in zip(decodes, lens):
-                slots = self._slots(seq, 0, n)
-                # pad with a written slot: masked keys must still be finite numbers (0 * NaN = NaN)
-                rows.append(slots + [slots[0]] * (max_len - n))
-            decode_slots = torch.tensor(rows, device=self.device)
-            decode_lens = torch.tensor(lens, device=self.device)
+            decode_lens = torch.tensor([s.num_computed_tokens + 1 for s, _ in decodes])
+            decode_slots = self._gather_slots([s.block_table for s, _ in decodes], decode_lens)
             for row, (seq, _) in enumerate(decodes):
                 if seq.num_computed_tokens + 1 == seq.num_tokens:
                     sample_rows.append(row)
@@ -131,7 +139,7 @@ class ModelRunner:
             slot_mapping=torch.tensor(slot_mapping, device=self.device),
             num_decodes=len(decodes),
             decode_slots=decode_slots,
-            decode_lens=decode_lens,
+            decode_lens=None if decode_lens is None else decode_lens.to(self.device),
             prefills=prefill_meta,
         )
         hidden = self.model(torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device), self.attn)
