@@ -83,9 +83,13 @@ class KVCacheManager:
             if block_id is None:
                 break
             hits.append(block_id)
-        self.prefix_cache_queries += seq.num_tokens
-        self.prefix_cache_hits += len(hits) * self.block_size
         return hits
+
+    def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+        """Count a lookup whose request was admitted (a refused one is looked up again later)."""
+        if self.enable_prefix_caching:
+            self.prefix_cache_queries += num_tokens
+            self.prefix_cache_hits += num_hit_tokens
 
     # ---- allocation -------------------------------------------------------------------
     def allocate_slots(self, seq: Sequence, num_new_tokens: int, computed_blocks: list[int] | None = None) -> bool:
@@ -107,7 +111,8 @@ class KVCacheManager:
                 del self.free_queue[block_id]
             block.ref_cnt += 1
             seq.block_table.append(block_id)
-        seq.num_cached_blocks = len(seq.block_table)
+        if computed_blocks:  # hits are registered already; later blocks once they fill
+            seq.num_cached_blocks = len(seq.block_table)
         for _ in range(max(num_required, 0)):
             seq.block_table.append(self._pop_free_block())
         self.peak_used_blocks = max(self.peak_used_blocks, self.num_used_blocks)

@@ -75,10 +75,8 @@ class Scheduler:
             num_computed = len(computed) * self.kv.block_size
             num_new = min(seq.num_tokens - num_computed, budget)
             if not self.kv.allocate_slots(seq, num_new, computed):
-                # give the prefix-cache statistics back: the lookup is repeated next step
-                self.kv.prefix_cache_queries -= seq.num_tokens
-                self.kv.prefix_cache_hits -= num_computed
                 break
+            self.kv.record_prefix_lookup(seq.num_tokens, num_computed)
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             seq.num_computed_tokens = num_computed
