@@ -18,29 +18,43 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.T
     v_cache.index_copy_(0, slot_mapping, v)
 
 
-def decode_mask(context_lens: torch.Tensor, max_len: int, sliding_window: int | None) -> torch.Tensor:
-    """[batch, 1, 1, max_len] boolean mask for one query per sequence at position len-1."""
+def decode_mask(context_lens: torch.Tensor, max_len: int, sliding_window: int | None,
+                dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """[batch, 1, 1, max_len] additive mask (0 = attend, -inf = not) for one query per sequence
+    at position len-1. Additive, not boolean: CPU SDPA runs ~1.8x faster with it."""
     key_pos = torch.arange(max_len, device=context_lens.device)[None, :]
-    mask = key_pos < context_lens[:, None]
+    allowed = key_pos < context_lens[:, None]
     if sliding_window is not None:
-        mask &= key_pos > (context_lens[:, None] - 1 - sliding_window)
+        allowed &= key_pos > (context_lens[:, None] - 1 - sliding_window)
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=context_lens.device).masked_fill_(~allowed, float("-inf"))
     return mask[:, None, None, :]
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           gather_slots: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+                           block_tables: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """One query token per sequence.
 
-    q [batch, heads, head_dim]; gather_slots [batch, max_len] slot of each key position
-    (padding may point anywhere: it is masked); mask from `decode_mask`. Returns
-    [batch, heads, head_dim].
+    q [batch, heads, head_dim]; block_tables [batch, width] block ids (rows padded with
+    any written block: padding is masked); mask [batch, 1, 1, width * block_size] from
+    `decode_mask`. Returns [batch, heads, head_dim].
+
+    Whole blocks are gathered (one copy of block_size rows each, not one per token), and
+    grouped-query heads are folded into the query length — q as [batch, kv_heads,
+    heads_per_kv, head_dim] — so K/V are never repeated per query head.
     """
-    keys = k_cache[gather_slots].transpose(1, 2)  # [batch, kv_heads, max_len, head_dim]
-    values = v_cache[gather_slots].transpose(1, 2)
-    out = F.scaled_dot_product_attention(
-        q.unsqueeze(2), keys, values, attn_mask=mask, enable_gqa=q.shape[1] != keys.shape[1]
-    )
-    return out.squeeze(2)
+    batch, heads, head_dim = q.shape
+    kv_heads = k_cache.shape[1]
+    width = block_tables.shape[1]
+    block_size = mask.shape[-1] // width
+    # index_select, not advanced indexing: ~5x faster for this gather on CPU
+    flat = block_tables.reshape(-1)
+    keys = k_cache.view(-1, block_size, kv_heads, head_dim).index_select(0, flat)  # [batch*width, bs, kvh, d]
+    values = v_cache.view(-1, block_size, kv_heads, head_dim).index_select(0, flat)
+    keys = keys.view(batch, width * block_size, kv_heads, head_dim).transpose(1, 2)
+    values = values.view(batch, width * block_size, kv_heads, head_dim).transpose(1, 2)
+    out = F.scaled_dot_product_attention(q.view(batch, kv_heads, heads // kv_heads, head_dim), keys, values,
+                                         attn_mask=mask)
+    return out.reshape(batch, heads, head_dim)
 
 
 def prefill_mask(query_len: int, context_len: int, sliding_window: int | None,
@@ -81,4 +95,4 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     keys in order (the chunk's own K/V already written). Returns [query_len, heads, head_dim].
     """
     mask = prefill_mask(q.shape[0], context_len, sliding_window, q.device)
-    return attend(q, k_cache[slots], v_cache[slots], mask)
+    return attend(q, k_cache.index_select(0, slots), v_cache.index_select(0, slots), mask)

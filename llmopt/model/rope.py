@@ -7,11 +7,13 @@ Supports the scaling variants Llama-family configs use: none ("default"), "linea
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from llmopt.core.config import ModelConfig
+if TYPE_CHECKING:  # the core imports the model; the model needs the config only for hints
+    from llmopt.core.config import ModelConfig
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:

@@ -23,15 +23,18 @@ from llmopt.runtime.sequence import Sequence
 class StepMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] where each new token's K/V go
     num_decodes: int  # the first num_decodes tokens are single-token sequences
-    decode_slots: torch.Tensor | None  # [num_decodes, max_len] slots of every key position
+    decode_block_tables: torch.Tensor | None  # [num_decodes, width] padded block tables
     decode_lens: torch.Tensor | None  # [num_decodes] keys per decode (incl. the new token)
+    block_size: int = 16
+    dtype: torch.dtype = torch.float32
     # per prompt chunk: (start, end) in the batch, its key slots, tokens already cached
     prefills: list[tuple[int, int, torch.Tensor, int]] = field(default_factory=list)
     _masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
 
     def decode_mask(self, sliding_window: int | None) -> torch.Tensor:
         if sliding_window not in self._masks:
-            self._masks[sliding_window] = decode_mask(self.decode_lens, self.decode_slots.shape[1], sliding_window)
+            width = self.decode_block_tables.shape[1] * self.block_size
+            self._masks[sliding_window] = decode_mask(self.decode_lens, width, sliding_window, self.dtype)
         return self._masks[sliding_window]
 
 
@@ -46,11 +49,12 @@ class PagedAttentionBackend(AttentionBackend):
         k_cache, v_cache = self.k_caches[layer_idx], self.v_caches[layer_idx]
         write_kv(k_cache, v_cache, md.slot_mapping, k, v)
         if not md.prefills:
-            return paged_decode_attention(q, k_cache, v_cache, md.decode_slots, md.decode_mask(sliding_window))
+            return paged_decode_attention(q, k_cache, v_cache, md.decode_block_tables, md.decode_mask(sliding_window))
         out = torch.empty_like(q)
         n = md.num_decodes
         if n:
-            out[:n] = paged_decode_attention(q[:n], k_cache, v_cache, md.decode_slots, md.decode_mask(sliding_window))
+            out[:n] = paged_decode_attention(q[:n], k_cache, v_cache, md.decode_block_tables,
+                                             md.decode_mask(sliding_window))
         for start, end, slots, context_len in md.prefills:
             out[start:end] = paged_prefill_attention(q[start:end], k_cache, v_cache, slots, context_len, sliding_window)
         return out
@@ -62,6 +66,18 @@ def kv_bytes_per_block(model: LlamaForCausalLM, block_size: int, dtype: torch.dt
     return 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * cfg.head_dim * elem
 
 
+def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero-filled tensor. Attention reads (masked) slots nobody wrote yet: they must hold
+    finite numbers, as 0 * NaN = NaN. On CPU the zeros come from calloc'd memory, which the
+    OS zero-fills lazily, so a large pool costs nothing until its pages are used."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    import numpy as np
+
+    nbytes = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
+    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
+
+
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int,
                  dtype: torch.dtype, device: torch.device):
@@ -70,29 +86,24 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         shape = (cfg.num_hidden_layers, num_blocks * block_size, cfg.num_key_value_heads, cfg.head_dim)
-        # left uninitialised (no page is touched until used): attention only ever gathers
-        # slots that were written, padding included (see `execute`)
-        self.attn = PagedAttentionBackend(torch.empty(shape, dtype=dtype, device=device),
-                                          torch.empty(shape, dtype=dtype, device=device))
+        self.attn = PagedAttentionBackend(zeroed(shape, dtype, device), zeroed(shape, dtype, device))
 
     def _slots(self, seq: Sequence, start: int, end: int) -> list[int]:
         bs, table = self.block_size, seq.block_table
         return [table[p // bs] * bs + p % bs for p in range(start, end)]
 
-    def _gather_slots(self, block_tables: list[list[int]], lens: torch.Tensor) -> torch.Tensor:
-        """[batch, max_len] slot of every key position of each sequence.
+    def _padded_block_tables(self, block_tables: list[list[int]], lens: torch.Tensor) -> torch.Tensor:
+        """[batch, width] the blocks holding each sequence's first `len` tokens.
 
-        Positions past a sequence's length are padded with its first slot: masked keys
-        must still be finite numbers (0 * NaN = NaN), and that slot is always written.
+        Rows are padded with their own first block: padded keys are masked, but must still
+        be finite numbers (0 * NaN = NaN), and that block is always written.
         """
-        bs = self.block_size
-        max_len = int(lens.max())
-        width = -(-max_len // bs)
-        table = torch.tensor([t[:width] + [t[0]] * (width - len(t[:width])) for t in block_tables])
-        pos = torch.arange(max_len)
-        slots = table[:, pos // bs] * bs + pos % bs
-        slots = torch.where(pos[None, :] < lens[:, None], slots, slots[:, :1])
-        return slots.to(self.device)
+        width = -(-int(lens.max()) // self.block_size)
+        rows = []
+        for table, n in zip(block_tables, lens.tolist()):
+            used = table[: -(-n // self.block_size)]
+            rows.append(used + [used[0]] * (width - len(used)))
+        return torch.tensor(rows, device=self.device)
 
     @torch.inference_mode()
     def execute(self, scheduled: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, list[Sequence]]:
@@ -114,10 +125,10 @@ class ModelRunner:
             ids.append(seq.token_ids[pos])
             positions.append(pos)
             slot_mapping.extend(self._slots(seq, pos, pos + 1))
-        decode_slots = decode_lens = None
+        decode_tables = decode_lens = None
         if decodes:
             decode_lens = torch.tensor([s.num_computed_tokens + 1 for s, _ in decodes])
-            decode_slots = self._gather_slots([s.block_table for s, _ in decodes], decode_lens)
+            decode_tables = self._padded_block_tables([s.block_table for s, _ in decodes], decode_lens)
             for row, (seq, _) in enumerate(decodes):
                 if seq.num_computed_tokens + 1 == seq.num_tokens:
                     sample_rows.append(row)
@@ -138,8 +149,10 @@ class ModelRunner:
         self.attn.metadata = StepMetadata(
             slot_mapping=torch.tensor(slot_mapping, device=self.device),
             num_decodes=len(decodes),
-            decode_slots=decode_slots,
+            decode_block_tables=decode_tables,
             decode_lens=None if decode_lens is None else decode_lens.to(self.device),
+            block_size=self.block_size,
+            dtype=self.attn.k_caches.dtype,
             prefills=prefill_meta,
         )
         hidden = self.model(torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device), self.attn)
