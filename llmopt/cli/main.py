@@ -21,6 +21,18 @@ app = typer.Typer(
 )
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever sys.stderr is when a record is emitted (test runners swap it)."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:
+        pass
+
+
 def _version(value: bool) -> None:
     if value:
         typer.echo(f"llmopt {__version__}")
@@ -36,8 +48,8 @@ def root(
     DEBUG["enabled"] = debug
     # start-up facts (KV cache size, ...) go to stderr, never into --json output on stdout
     logger = logging.getLogger("llmopt")
-    if not logger.handlers:
-        handler = logging.StreamHandler(sys.stderr)
+    if not any(isinstance(h, _StderrHandler) for h in logger.handlers):
+        handler = _StderrHandler()
         handler.setFormatter(logging.Formatter("llmopt: %(message)s"))
         logger.addHandler(handler)
     logger.setLevel(logging.WARNING if quiet else (logging.DEBUG if debug else logging.INFO))
