@@ -1,5 +1,8 @@
-"""Generation: sampling parameters, the sampler, and the generation loop."""
+"""The paged-KV runtime: `LLM` (offline batches), `AsyncLLM` (streaming), `LLMEngine`, `SamplingParams`."""
 
 from llmopt.runtime.sampling_params import SamplingParams
+from llmopt.runtime.async_engine import AsyncLLM  # noqa: E402  (imports the engine, which needs SamplingParams)
+from llmopt.runtime.engine import LLMEngine
+from llmopt.runtime.llm import LLM
 
-__all__ = ["SamplingParams"]
+__all__ = ["AsyncLLM", "LLM", "LLMEngine", "SamplingParams"]
