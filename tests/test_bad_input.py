@@ -214,3 +214,12 @@ def test_malformed_prompts_file(tiny_models, tmp_path, content, fragment):
 )
 def test_bad_engine_options(tiny_models, args, fragment):
     assert_usage_error(["generate", str(tiny_models["llama"]), "-p", "hi", *args], fragment)
+
+
+@pytest.mark.parametrize(
+    "args, fragment",
+    [(["--engine", "tgi"], "unknown engine 'tgi'"), (["--port", "70000"], "--port must be 1-65535"),
+     (["--max-queue", "0"], "--max-queue must be positive")],
+)
+def test_bad_serve_options(tiny_models, args, fragment):
+    assert_usage_error(["serve", str(tiny_models["llama"]), *args], fragment)

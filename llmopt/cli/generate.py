@@ -10,7 +10,21 @@ from typing import Any
 
 import typer
 
-from llmopt.cli.common import err_console, handles_errors, print_json
+from llmopt.cli.common import (
+    BLOCK_SIZE,
+    DEVICE,
+    DTYPE,
+    GPU_MEMORY_UTILIZATION,
+    KV_CACHE_MEMORY,
+    MAX_MODEL_LEN,
+    MAX_NUM_BATCHED_TOKENS,
+    MAX_NUM_SEQS,
+    PREFIX_CACHING,
+    engine_config,
+    err_console,
+    handles_errors,
+    print_json,
+)
 from llmopt.errors import LlmoptError
 
 
@@ -61,20 +75,19 @@ def generate(
     frequency_penalty: float = typer.Option(0.0, "--frequency-penalty"),
     repetition_penalty: float = typer.Option(1.0, "--repetition-penalty"),
     ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Keep going past end-of-sequence."),
-    max_num_seqs: int = typer.Option(64, "--max-num-seqs", help="Most requests running at once."),
-    max_num_batched_tokens: int = typer.Option(1024, "--max-num-batched-tokens", help="Token budget per step."),
-    max_model_len: int | None = typer.Option(None, "--max-model-len", help="Prompt + output limit (default: the model's context)."),
-    block_size: int = typer.Option(16, "--block-size", help="Tokens per KV block."),
-    enable_prefix_caching: bool = typer.Option(True, "--enable-prefix-caching/--no-enable-prefix-caching"),
-    kv_cache_memory: str | None = typer.Option(None, "--kv-cache-memory", help="KV pool size, e.g. 2GiB (CPU default: 10% of free RAM)."),
-    gpu_memory_utilization: float = typer.Option(0.9, "--gpu-memory-utilization"),
-    dtype: str = typer.Option("auto", "--dtype", help="auto, float32, bfloat16 or float16"),
-    device: str = typer.Option("cpu", "--device"),
+    max_num_seqs: int = MAX_NUM_SEQS,
+    max_num_batched_tokens: int = MAX_NUM_BATCHED_TOKENS,
+    max_model_len: int | None = MAX_MODEL_LEN,
+    block_size: int = BLOCK_SIZE,
+    enable_prefix_caching: bool = PREFIX_CACHING,
+    kv_cache_memory: str | None = KV_CACHE_MEMORY,
+    gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION,
+    dtype: str = DTYPE,
+    device: str = DEVICE,
     json_output: bool = typer.Option(False, "--json", help="Print one JSON document."),
 ) -> None:
     """Generate completions for one or many prompts, continuously batched."""
     from llmopt.runtime import SamplingParams
-    from llmopt.runtime.config import EngineConfig, parse_bytes
 
     prompts: list[Any] = list(prompt) + (read_prompts_file(prompts_file) if prompts_file else [])
     if not prompts:
@@ -85,12 +98,8 @@ def generate(
                             seed=seed, stop=stop or None, presence_penalty=presence_penalty,
                             frequency_penalty=frequency_penalty, repetition_penalty=repetition_penalty,
                             ignore_eos=ignore_eos)
-    config = EngineConfig(
-        max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-        block_size=block_size, enable_prefix_caching=enable_prefix_caching,
-        kv_cache_memory=parse_bytes(kv_cache_memory) if kv_cache_memory else None,
-        gpu_memory_utilization=gpu_memory_utilization,
-    )
+    config = engine_config(max_num_seqs, max_num_batched_tokens, max_model_len, block_size, enable_prefix_caching,
+                           kv_cache_memory, gpu_memory_utilization)
     from llmopt.core import load
     from llmopt.runtime.llm import LLM
 

@@ -10,6 +10,7 @@ import typer
 from llmopt import __version__
 from llmopt.cli import generate as generate_cmd
 from llmopt.cli import models as models_cmd
+from llmopt.cli import serve as serve_cmd
 from llmopt.cli.common import DEBUG
 
 app = typer.Typer(
@@ -56,6 +57,7 @@ def root(
 
 
 app.command("generate")(generate_cmd.generate)
+app.command("serve")(serve_cmd.serve)
 app.add_typer(models_cmd.app, name="models")
 
 

@@ -41,18 +41,20 @@ class AsyncLLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
-    async def generate(self, prompt: PromptType, params: SamplingParams | None = None,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Yield outputs as tokens arrive; the last one has `finished=True`.
-
-        Invalid requests raise LlmoptError before anything is yielded.
-        """
+    def add_request(self, prompt: PromptType, params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        """Validate and queue a request (raises LlmoptError now, before any output); call
+        `stream_outputs(request_id)` next. Must run inside the event loop."""
         request_id = request_id if request_id is not None else f"async-{next(self._ids)}"
-        queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         with self._lock:
             self.engine.add_request(prompt, params, request_id=request_id)
-            self._queues[request_id] = queue
+            self._queues[request_id] = asyncio.Queue()
         self._ensure_loop()
+        return request_id
+
+    async def stream_outputs(self, request_id: str) -> AsyncIterator[RequestOutput]:
+        """Outputs of an added request as tokens arrive; closing early aborts it."""
+        queue = self._queues[request_id]
         finished = False
         try:
             while not finished:
@@ -65,6 +67,16 @@ class AsyncLLM:
             self._queues.pop(request_id, None)
             if not finished:
                 self.abort(request_id)
+
+    async def generate(self, prompt: PromptType, params: SamplingParams | None = None,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Yield outputs as tokens arrive; the last one has `finished=True`.
+
+        Invalid requests raise LlmoptError before anything is yielded.
+        """
+        request_id = self.add_request(prompt, params, request_id)
+        async for out in self.stream_outputs(request_id):
+            yield out
 
     def abort(self, request_id: str) -> None:
         with self._lock:

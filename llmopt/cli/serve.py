@@ -1,0 +1,77 @@
+"""`llmopt serve`: an OpenAI-compatible endpoint on the paged runtime."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict
+
+import typer
+
+from llmopt.cli.common import (
+    BLOCK_SIZE,
+    DEVICE,
+    DTYPE,
+    GPU_MEMORY_UTILIZATION,
+    KV_CACHE_MEMORY,
+    MAX_MODEL_LEN,
+    MAX_NUM_BATCHED_TOKENS,
+    MAX_NUM_SEQS,
+    PREFIX_CACHING,
+    engine_config,
+    handles_errors,
+)
+from llmopt.errors import LlmoptError
+
+ENGINES = ("llmopt",)
+
+
+@handles_errors
+def serve(
+    model: str = typer.Argument("default", help="'default', a model folder, a .gguf file or a hub id"),
+    host: str = typer.Option("127.0.0.1", "--host"),
+    port: int = typer.Option(8000, "--port"),
+    engine: str = typer.Option("llmopt", "--engine", help="Back end: llmopt (the paged runtime)."),
+    api_key: str | None = typer.Option(None, "--api-key", help="Require 'Authorization: Bearer KEY' (or set LLMOPT_API_KEY)."),
+    served_model_name: str | None = typer.Option(None, "--served-model-name", help="Model name clients use (default: MODEL)."),
+    max_queue: int = typer.Option(256, "--max-queue", help="Waiting requests beyond this get 503 + Retry-After."),
+    log_requests: bool = typer.Option(False, "--log-requests", help="Log prompt contents."),
+    max_num_seqs: int = MAX_NUM_SEQS,
+    max_num_batched_tokens: int = MAX_NUM_BATCHED_TOKENS,
+    max_model_len: int | None = MAX_MODEL_LEN,
+    block_size: int = BLOCK_SIZE,
+    enable_prefix_caching: bool = PREFIX_CACHING,
+    kv_cache_memory: str | None = KV_CACHE_MEMORY,
+    gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION,
+    dtype: str = DTYPE,
+    device: str = DEVICE,
+) -> None:
+    """Serve a model over the OpenAI API (chat, completions, streaming, /metrics)."""
+    if engine not in ENGINES:
+        raise LlmoptError(f"unknown engine {engine!r}; available: {', '.join(ENGINES)} "
+                          "(the llama.cpp and vLLM back ends are not built yet)")
+    if not 0 < port < 65536:
+        raise LlmoptError(f"--port must be 1-65535, got {port}")
+    if max_queue < 1:
+        raise LlmoptError(f"--max-queue must be positive, got {max_queue}")
+    config = engine_config(max_num_seqs, max_num_batched_tokens, max_model_len, block_size, enable_prefix_caching,
+                           kv_cache_memory, gpu_memory_utilization)
+    import uvicorn
+
+    from llmopt.core import load
+    from llmopt.runtime.async_engine import AsyncLLM
+    from llmopt.serve.app import ServeConfig, build_app
+
+    loaded = load(model, dtype=dtype, device=device)
+    async_engine = AsyncLLM.from_spec(loaded, **asdict(config))
+    serve_config = ServeConfig(served_model_name=served_model_name or model,
+                               api_key=api_key or os.environ.get("LLMOPT_API_KEY") or None,
+                               max_queue=max_queue, log_requests=log_requests)
+    app = build_app(async_engine, serve_config)
+    kv = async_engine.engine.kv
+    typer.echo(
+        f"llmopt serve: model {serve_config.served_model_name} ({loaded.config.architecture}, {loaded.dtype}, "
+        f"{loaded.device}), engine {engine}, KV cache {kv.num_blocks} blocks x {kv.block_size} tokens, "
+        f"max_model_len {async_engine.engine.max_model_len}, auth {'on' if serve_config.api_key else 'off'}\n"
+        f"listening on http://{host}:{port}/v1"
+    )
+    uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=10)

@@ -1,0 +1,84 @@
+"""Prometheus metrics with vLLM's names under the `llmopt:` prefix.
+
+Engine-wide figures (running, waiting, KV usage, prefix cache, preemptions, token
+counts) are read from the engine at scrape time; per-request latencies are observed by
+the server as requests finish.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from llmopt.runtime.async_engine import AsyncLLM
+from llmopt.runtime.outputs import RequestOutput
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
+disable_created_metrics()  # no `*_created` series: vLLM's dashboards do not expect them
+
+ITL_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0)
+
+
+class _EngineCollector:
+    def __init__(self, engine: AsyncLLM, model_name: str):
+        self.engine, self.model_name = engine, model_name
+
+    def collect(self):
+        s = self.engine.stats()
+        labels = ["model_name"]
+        for name, doc, value in (
+            ("num_requests_running", "Requests being computed.", s.num_requests_running),
+            ("num_requests_waiting", "Requests waiting to be scheduled.", s.num_requests_waiting),
+            ("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1).", s.kv_cache_usage_perc),
+        ):
+            g = GaugeMetricFamily(f"llmopt:{name}", doc, labels=labels)
+            g.add_metric([self.model_name], value)
+            yield g
+        for name, doc, value in (
+            ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.prefix_cache_queries),
+            ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits),
+            ("num_preemptions", "Requests preempted for lack of KV blocks.", s.num_preemptions),
+            ("prompt_tokens", "Prompt tokens processed.", s.prompt_tokens),
+            ("generation_tokens", "Tokens generated.", s.generation_tokens),
+        ):
+            c = CounterMetricFamily(f"llmopt:{name}", doc, labels=labels)
+            c.add_metric([self.model_name], value)
+            yield c
+
+
+class ServerMetrics:
+    def __init__(self, engine: AsyncLLM, model_name: str):
+        self.model_name = model_name
+        self.registry = CollectorRegistry()
+        self.registry.register(_EngineCollector(engine, model_name))
+        labels = ["model_name"]
+        self.request_success = Counter("llmopt:request_success", "Finished requests by finish reason.",
+                                       labels + ["finished_reason"], registry=self.registry)
+        self.ttft = Histogram("llmopt:time_to_first_token_seconds", "Time to first token.", labels,
+                              buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.itl = Histogram("llmopt:inter_token_latency_seconds", "Time between output tokens.", labels,
+                             buckets=ITL_BUCKETS, registry=self.registry)
+        self.e2e = Histogram("llmopt:e2e_request_latency_seconds", "Arrival to finish.", labels,
+                             buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.queue = Histogram("llmopt:request_queue_time_seconds", "Arrival to first scheduled.", labels,
+                               buckets=LATENCY_BUCKETS, registry=self.registry)
+
+    def observe_token_gap(self, seconds: float) -> None:
+        self.itl.labels(self.model_name).observe(seconds)
+
+    def observe_aborted(self) -> None:
+        self.request_success.labels(self.model_name, "abort").inc()
+
+    def observe_finished(self, out: RequestOutput) -> None:
+        m, name = out.metrics, self.model_name
+        reason = out.outputs[0].finish_reason or "abort"
+        self.request_success.labels(name, reason).inc()
+        if m.time_to_first_token is not None:
+            self.ttft.labels(name).observe(m.time_to_first_token)
+        if m.queue_time is not None:
+            self.queue.labels(name).observe(m.queue_time)
+        if m.e2e_latency is not None:
+            self.e2e.labels(name).observe(m.e2e_latency)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

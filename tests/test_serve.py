@@ -1,0 +1,189 @@
+"""A real `llmopt serve` process on a free port, driven by the openai client and raw HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from llmopt.core import load
+from llmopt.runtime import LLM, SamplingParams
+
+openai = pytest.importorskip("openai")
+KEY = "test-key"
+MODEL = "tiny"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_models):
+    port = free_port()
+    cmd = [sys.executable, "-m", "llmopt", "serve", str(tiny_models["llama"]), "--port", str(port),
+           "--served-model-name", MODEL, "--api-key", KEY, "--kv-cache-memory", "64MiB", "--max-model-len", "256",
+           "--max-num-seqs", "8"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=os.environ.copy())
+    base = f"http://127.0.0.1:{port}"
+    for _ in range(120):
+        try:
+            if httpx.get(base + "/health", timeout=1).status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        if proc.poll() is not None:
+            raise RuntimeError(proc.stdout.read())
+        time.sleep(0.25)
+    yield base
+    proc.terminate()
+    proc.wait(timeout=20)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server + "/v1", api_key=KEY)
+
+
+def post(server, path, body, key=KEY, raw=None):
+    headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
+    return httpx.post(server + path, content=raw if raw is not None else json.dumps(body), headers=headers, timeout=30)
+
+
+MESSAGES = [{"role": "user", "content": "the cat sat on"}]
+
+
+def test_greedy_chat_equals_llm_generate(client, tiny_models):
+    resp = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12, temperature=0,
+                                          extra_body={"ignore_eos": True})
+    expected = LLM(load(str(tiny_models["llama"]), dtype="float32"), num_kv_blocks=64).chat(
+        MESSAGES, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0].outputs[0]
+    assert resp.choices[0].message.content == expected.text
+    assert resp.choices[0].finish_reason == "length"
+    assert resp.usage.completion_tokens == 12 and resp.usage.prompt_tokens > 0
+
+
+def test_streaming_chat_matches_non_streaming(client):
+    full = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=10, temperature=0,
+                                          extra_body={"ignore_eos": True}).choices[0].message.content
+    chunks = list(client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=10, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True},
+                                                 extra_body={"ignore_eos": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full
+    assert chunks[-1].usage.completion_tokens == 10 and chunks[-1].choices == []
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+
+def test_completions_n_prompts_and_logprobs(client):
+    resp = client.completions.create(model=MODEL, prompt=["the cat", "in the"], n=2, max_tokens=5, temperature=0.8,
+                                     seed=3, logprobs=2, extra_body={"ignore_eos": True})
+    assert sorted(c.index for c in resp.choices) == [0, 1, 2, 3]
+    for c in resp.choices:
+        assert len(c.logprobs.tokens) == 5 and len(c.logprobs.token_logprobs) == 5
+        assert all(lp <= 0 for lp in c.logprobs.token_logprobs)
+        # top alternatives are keyed by text (OpenAI's format), so two ids with one text collapse
+        for lp, top in zip(c.logprobs.token_logprobs, c.logprobs.top_logprobs):
+            assert 1 <= len(top) <= 3 and max(top.values()) >= lp - 1e-6
+    assert resp.usage.completion_tokens == 20
+    chat = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, temperature=0, logprobs=True,
+                                          top_logprobs=3, extra_body={"ignore_eos": True})
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 4 and all(len(t.top_logprobs) == 3 for t in content)
+    assert all(t.logprob == t.top_logprobs[0].logprob for t in content)  # greedy picks the top token
+
+
+def test_stop_string(client):
+    full = client.completions.create(model=MODEL, prompt="the", max_tokens=16, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    piece = full[4:7]
+    cut = client.completions.create(model=MODEL, prompt="the", max_tokens=16, temperature=0, stop=[piece],
+                                    extra_body={"ignore_eos": True}).choices[0]
+    assert cut.finish_reason == "stop" and cut.text == full[: full.index(piece)]
+
+
+def test_async_client_streaming_completions(server):
+    async def main():
+        aclient = openai.AsyncOpenAI(base_url=server + "/v1", api_key=KEY)
+        streams = [await aclient.completions.create(model=MODEL, prompt=p, max_tokens=8, temperature=0, stream=True,
+                                                    extra_body={"ignore_eos": True}) for p in ("a b", "c d", "e f")]
+        texts = []
+        for s in streams:
+            texts.append("".join([c.choices[0].text async for c in s]))
+        return texts
+
+    texts = asyncio.run(main())
+    assert len(texts) == 3 and all(texts)
+
+
+@pytest.mark.parametrize(
+    "body, status, fragment",
+    [
+        (None, 400, "not valid JSON"),
+        ({"model": MODEL}, 400, "messages"),
+        ({"messages": []}, 400, "messages"),
+        ({"messages": [{"role": "robot", "content": "x"}]}, 400, "unknown role"),
+        ({"messages": MESSAGES, "n": 99}, 400, "n"),
+        ({"messages": MESSAGES, "max_tokens": 10_000}, 400, "max_model_len"),
+        ({"messages": [{"role": "user", "content": "word " * 400}]}, 400, "context"),
+        ({"messages": MESSAGES, "temperature": -1}, 400, "temperature"),
+        ({"messages": MESSAGES, "top_p": 1.5}, 400, "top_p"),
+        ({"messages": MESSAGES, "max_tokens": "ten"}, 400, "max_tokens"),
+        ({"messages": MESSAGES, "model": "gpt-4"}, 404, "does not exist"),
+    ],
+)
+def test_bad_requests_get_openai_errors(server, body, status, fragment):
+    resp = post(server, "/v1/chat/completions", body, raw=b"{not json" if body is None else None)
+    assert resp.status_code == status, resp.text
+    err = resp.json()["error"]
+    assert fragment in err["message"] and set(err) == {"message", "type", "param", "code"}
+
+
+def test_invalid_utf8_huge_body_and_auth(server):
+    assert post(server, "/v1/completions", None, raw=b'{"prompt": "\xff\xfe"}').status_code == 400
+    huge = b'{"prompt": "' + b"a" * (50 * 1024 * 1024) + b'"}'
+    assert post(server, "/v1/completions", None, raw=huge).status_code == 413
+    assert post(server, "/v1/completions", {"prompt": "hi"}, key="wrong").status_code == 401
+    assert httpx.get(server + "/v1/models").status_code == 401
+    assert httpx.get(server + "/health").status_code == 200  # still serving
+
+
+def test_tokenize_detokenize_models_version_metrics(server):
+    ids = post(server, "/tokenize", {"prompt": "the cat"}).json()["tokens"]
+    assert post(server, "/detokenize", {"tokens": ids}).json()["prompt"] == "the cat"
+    models = httpx.get(server + "/v1/models", headers={"Authorization": f"Bearer {KEY}"}).json()
+    assert models["data"][0]["id"] == MODEL
+    assert "version" in httpx.get(server + "/version").json()
+    text = httpx.get(server + "/metrics").text
+    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prefix_cache_queries",
+                 "prefix_cache_hits", "num_preemptions", "prompt_tokens", "generation_tokens", "request_success",
+                 "time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds",
+                 "request_queue_time_seconds"):
+        assert f"llmopt:{name}" in text
+
+
+def test_disconnect_mid_stream_frees_blocks(server):
+    body = {"model": MODEL, "prompt": "the cat", "max_tokens": 200, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    with httpx.stream("POST", server + "/v1/completions", json=body,
+                      headers={"Authorization": f"Bearer {KEY}"}, timeout=30) as resp:
+        for i, _ in enumerate(resp.iter_lines()):
+            if i > 6:
+                break  # the client goes away
+    for _ in range(100):
+        metrics = httpx.get(server + "/metrics").text
+        if 'llmopt:num_requests_running{model_name="tiny"} 0.0' in metrics:
+            break
+        time.sleep(0.05)
+    assert 'llmopt:num_requests_running{model_name="tiny"} 0.0' in metrics
+    assert 'llmopt:kv_cache_usage_perc{model_name="tiny"} 0.0' in metrics
+    assert 'finished_reason="abort"' in metrics
