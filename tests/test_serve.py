@@ -187,3 +187,59 @@ def test_disconnect_mid_stream_frees_blocks(server):
     assert 'llmopt:num_requests_running{model_name="tiny"} 0.0' in metrics
     assert 'llmopt:kv_cache_usage_perc{model_name="tiny"} 0.0' in metrics
     assert 'finished_reason="abort"' in metrics
+
+
+def test_vllm_engine_hands_over_flags(tiny_models, tmp_path):
+    """With a `vllm` on PATH, `--engine vllm` execs `vllm serve` with the flags that mean the same."""
+    fake = tmp_path / "vllm"
+    record = tmp_path / "argv.json"
+    fake.write_text(f"#!{sys.executable}\nimport json, sys\njson.dump(sys.argv[1:], open({str(record)!r}, 'w'))\n")
+    fake.chmod(0o755)
+    env = {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}"}
+    out = subprocess.run([sys.executable, "-m", "llmopt", "serve", str(tiny_models["llama"]), "--engine", "vllm",
+                          "--max-num-seqs", "12", "--max-model-len", "128", "--gpu-memory-utilization", "0.5",
+                          "--tensor-parallel-size", "2", "--quantization", "awq", "--served-model-name", "m",
+                          "--port", "9999"], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    argv = json.loads(record.read_text())
+    assert argv[:2] == ["serve", str(tiny_models["llama"])]
+    pairs = dict(zip(argv[2::1], argv[3::1]))
+    for flag, value in {"--max-num-seqs": "12", "--max-model-len": "128", "--gpu-memory-utilization": "0.5",
+                        "--tensor-parallel-size": "2", "--quantization": "awq", "--served-model-name": "m",
+                        "--port": "9999"}.items():
+        assert pairs[flag] == value
+    # without vLLM installed: a clear message, exit 2
+    bare = {**os.environ, "PATH": str(tmp_path / "nothing")}
+    out = subprocess.run([sys.executable, "-m", "llmopt", "serve", str(tiny_models["llama"]), "--engine", "vllm"],
+                         env=bare, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "pip install vllm" in out.stderr
+
+
+def test_sigterm_shuts_down_gracefully(tiny_models):
+    """SIGTERM while a stream is in flight: the stream still completes, then the server exits."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "llmopt", "serve", str(tiny_models["llama"]), "--port", str(port),
+                             "--kv-cache-memory", "32MiB", "--max-model-len", "256"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    base = f"http://127.0.0.1:{port}"
+    for _ in range(120):
+        try:
+            if httpx.get(base + "/health", timeout=1).status_code == 200:
+                break
+        except httpx.TransportError:
+            time.sleep(0.25)
+    body = {"prompt": "the", "max_tokens": 200, "temperature": 0, "stream": True, "ignore_eos": True}
+    lines = []
+    with httpx.stream("POST", base + "/v1/completions", json=body, timeout=30) as resp:
+        for line in resp.iter_lines():
+            if line.startswith("data: "):
+                lines.append(line)
+                if len(lines) == 2:
+                    proc.send_signal(15)
+    assert lines[-1] == "data: [DONE]"
+    finish = [json.loads(line[6:])["choices"][0]["finish_reason"] for line in lines[:-1]]
+    assert finish[-1] == "length"
+    # uvicorn re-raises the signal after its graceful shutdown, so the exit status is -15
+    assert proc.wait(timeout=20) in (0, -15)
+    with pytest.raises(httpx.TransportError):
+        httpx.get(base + "/health", timeout=1)

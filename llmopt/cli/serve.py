@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 from dataclasses import asdict
 
 import typer
@@ -22,7 +23,7 @@ from llmopt.cli.common import (
 )
 from llmopt.errors import LlmoptError
 
-ENGINES = ("llmopt",)
+ENGINES = ("llmopt", "vllm")
 
 
 @handles_errors
@@ -30,7 +31,9 @@ def serve(
     model: str = typer.Argument("default", help="'default', a model folder, a .gguf file or a hub id"),
     host: str = typer.Option("127.0.0.1", "--host"),
     port: int = typer.Option(8000, "--port"),
-    engine: str = typer.Option("llmopt", "--engine", help="Back end: llmopt (the paged runtime)."),
+    engine: str = typer.Option("llmopt", "--engine", help="Back end: llmopt (our paged runtime) or vllm (hands over to `vllm serve`)."),
+    tensor_parallel_size: int = typer.Option(1, "--tensor-parallel-size", help="GPUs per model (vllm engine only)."),
+    quantization: str | None = typer.Option(None, "--quantization", help="Passed to vllm (awq, gptq, ...)."),
     api_key: str | None = typer.Option(None, "--api-key", help="Require 'Authorization: Bearer KEY' (or set LLMOPT_API_KEY)."),
     served_model_name: str | None = typer.Option(None, "--served-model-name", help="Model name clients use (default: MODEL)."),
     max_queue: int = typer.Option(256, "--max-queue", help="Waiting requests beyond this get 503 + Retry-After."),
@@ -48,11 +51,20 @@ def serve(
     """Serve a model over the OpenAI API (chat, completions, streaming, /metrics)."""
     if engine not in ENGINES:
         raise LlmoptError(f"unknown engine {engine!r}; available: {', '.join(ENGINES)} "
-                          "(the llama.cpp and vLLM back ends are not built yet)")
+                          "(the llama.cpp back end is not built yet)")
     if not 0 < port < 65536:
         raise LlmoptError(f"--port must be 1-65535, got {port}")
     if max_queue < 1:
         raise LlmoptError(f"--max-queue must be positive, got {max_queue}")
+    api_key = api_key or os.environ.get("LLMOPT_API_KEY") or None
+    if engine == "vllm":
+        argv = vllm_command(model, host, port, api_key, served_model_name, max_num_seqs, max_num_batched_tokens,
+                            max_model_len, block_size, enable_prefix_caching, gpu_memory_utilization,
+                            tensor_parallel_size, quantization, dtype)
+        typer.echo("llmopt serve: handing over to " + " ".join(argv), err=True)
+        os.execvp(argv[0], argv)  # vLLM owns the process from here (signals, exit code)
+    if tensor_parallel_size != 1 or quantization:
+        raise LlmoptError("--tensor-parallel-size and --quantization apply to --engine vllm only")
     config = engine_config(max_num_seqs, max_num_batched_tokens, max_model_len, block_size, enable_prefix_caching,
                            kv_cache_memory, gpu_memory_utilization)
     import uvicorn
@@ -64,7 +76,7 @@ def serve(
     loaded = load(model, dtype=dtype, device=device)
     async_engine = AsyncLLM.from_spec(loaded, **asdict(config))
     serve_config = ServeConfig(served_model_name=served_model_name or model,
-                               api_key=api_key or os.environ.get("LLMOPT_API_KEY") or None,
+                               api_key=api_key,
                                max_queue=max_queue, log_requests=log_requests)
     app = build_app(async_engine, serve_config)
     kv = async_engine.engine.kv
@@ -75,3 +87,32 @@ def serve(
         f"listening on http://{host}:{port}/v1"
     )
     uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=10)
+
+
+def vllm_command(model: str, host: str, port: int, api_key: str | None, served_model_name: str | None,
+                 max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int | None, block_size: int,
+                 enable_prefix_caching: bool, gpu_memory_utilization: float, tensor_parallel_size: int,
+                 quantization: str | None, dtype: str) -> list[str]:
+    """`vllm serve` with the flags that mean the same thing there."""
+    exe = shutil.which("vllm")
+    if exe is None:
+        raise LlmoptError("--engine vllm needs vLLM: `pip install vllm` on a machine with a CUDA GPU "
+                          "(or use the default --engine llmopt)")
+    if model == "default":
+        from llmopt.core import resolve
+
+        model = str(resolve("default").path)  # vLLM reads the converted Hugging Face folder
+    argv = [exe, "serve", model, "--host", host, "--port", str(port), "--max-num-seqs", str(max_num_seqs),
+            "--max-num-batched-tokens", str(max_num_batched_tokens), "--block-size", str(block_size),
+            "--gpu-memory-utilization", str(gpu_memory_utilization),
+            "--tensor-parallel-size", str(tensor_parallel_size), "--dtype", dtype,
+            "--enable-prefix-caching" if enable_prefix_caching else "--no-enable-prefix-caching"]
+    if max_model_len is not None:
+        argv += ["--max-model-len", str(max_model_len)]
+    if quantization:
+        argv += ["--quantization", quantization]
+    if served_model_name:
+        argv += ["--served-model-name", served_model_name]
+    if api_key:
+        argv += ["--api-key", api_key]
+    return argv

@@ -1,0 +1,124 @@
+#!/usr/bin/env python
+"""Load test for `llmopt serve`: N concurrent streaming chat clients against one server.
+
+Starts `llmopt serve MODEL` on a free local port (or uses --url), sends --clients
+streaming chat requests at once, and reports errors, streams that ended without
+`data: [DONE]`, TTFT / inter-token latency percentiles and output throughput.
+Traffic goes to 127.0.0.1 only. Usage:
+    python scripts/load_test_serve.py [--model default] [--clients 64] [--max-tokens 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+
+import httpx
+
+QUESTIONS = ["What is the capital of France?", "Name three colours.", "Write a haiku about the sea.",
+             "Explain rain to a child.", "Give me a tip for sleeping well.", "What is 12 times 12?",
+             "Describe a cat in one sentence.", "Why do leaves change colour?"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def one_client(client: httpx.AsyncClient, url: str, i: int, max_tokens: int) -> dict:
+    body = {"messages": [{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}], "max_tokens": max_tokens,
+            "temperature": 0.7, "seed": i, "stream": True, "ignore_eos": True}
+    start = time.perf_counter()
+    token_times: list[float] = []
+    done = False
+    try:
+        async with client.stream("POST", url + "/v1/chat/completions", json=body, timeout=600) as resp:
+            if resp.status_code != 200:
+                return {"error": f"HTTP {resp.status_code}"}
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[6:]
+                if data == "[DONE]":
+                    done = True
+                    break
+                chunk = json.loads(data)
+                if chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
+                    token_times.append(time.perf_counter())
+    except httpx.HTTPError as exc:
+        return {"error": type(exc).__name__}
+    end = time.perf_counter()
+    itl = [b - a for a, b in zip(token_times, token_times[1:])]
+    return {"error": None, "done": done, "ttft": token_times[0] - start if token_times else None,
+            "itl": itl, "chunks": len(token_times), "latency": end - start}
+
+
+def pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
+
+
+async def run(url: str, clients: int, max_tokens: int) -> None:
+    limits = httpx.Limits(max_connections=clients + 4)
+    async with httpx.AsyncClient(limits=limits) as client:
+        start = time.perf_counter()
+        results = await asyncio.gather(*(one_client(client, url, i, max_tokens) for i in range(clients)))
+        wall = time.perf_counter() - start
+        metrics = (await client.get(url + "/metrics")).text
+    errors = [r["error"] for r in results if r["error"]]
+    ok = [r for r in results if not r["error"]]
+    unfinished = sum(not r["done"] for r in ok)
+    ttft = [r["ttft"] for r in ok if r["ttft"] is not None]
+    itl = [x for r in ok for x in r["itl"]]
+    gen = next((float(line.split()[-1]) for line in metrics.splitlines()
+                if line.startswith("llmopt:generation_tokens_total")), float("nan"))
+    print(f"| clients | errors | streams without [DONE] | wall (s) | output tok/s | TTFT p50 / p99 (s) | "
+          f"ITL p50 / p99 (ms) |")
+    print("|---|---|---|---|---|---|---|")
+    print(f"| {clients} | {len(errors)} | {unfinished} | {wall:.1f} | {gen / wall:.1f} | "
+          f"{pct(ttft, .5):.2f} / {pct(ttft, .99):.2f} | {pct(itl, .5) * 1e3:.0f} / {pct(itl, .99) * 1e3:.0f} |")
+    if errors:
+        print("errors:", sorted(set(errors)))
+    print(f"\nmean chunks per stream: {statistics.mean(r['chunks'] for r in ok):.1f} (max_tokens {max_tokens})")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--url", default=None, help="an already running server")
+    ap.add_argument("--clients", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--max-num-seqs", type=int, default=64)
+    args = ap.parse_args()
+    proc = None
+    url = args.url
+    if url is None:
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        proc = subprocess.Popen([sys.executable, "-m", "llmopt", "serve", args.model, "--port", str(port),
+                                 "--max-num-seqs", str(args.max_num_seqs), "--kv-cache-memory", "1GiB"],
+                                env=os.environ.copy())
+        for _ in range(600):
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+    try:
+        asyncio.run(run(url, args.clients, args.max_tokens))
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait(timeout=30)
+
+
+if __name__ == "__main__":
+    main()
