@@ -3,7 +3,9 @@
 
 Starts `llmopt serve MODEL` on a free local port (or uses --url), sends --clients
 streaming chat requests at once, and reports errors, streams that ended without
-`data: [DONE]`, TTFT / inter-token latency percentiles and output throughput.
+`data: [DONE]`, TTFT / inter-token latency percentiles and output throughput. Then
+--disconnects clients start streams and hang up after a few chunks; the script polls
+`/metrics` until running requests and KV usage are back at zero (or says they are not).
 Traffic goes to 127.0.0.1 only. Usage:
     python scripts/load_test_serve.py [--model default] [--clients 64] [--max-tokens 64]
 """
@@ -66,7 +68,43 @@ def pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
 
 
-async def run(url: str, clients: int, max_tokens: int) -> None:
+async def hang_up(client: httpx.AsyncClient, url: str, i: int) -> bool:
+    """Start a long stream, read a few chunks, disconnect. True if it got that far."""
+    body = {"messages": [{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}], "max_tokens": 1000,
+            "temperature": 0.7, "seed": i, "stream": True, "ignore_eos": True}
+    async with client.stream("POST", url + "/v1/chat/completions", json=body, timeout=600) as resp:
+        seen = 0
+        async for line in resp.aiter_lines():
+            seen += line.startswith("data: ")
+            if seen >= 3:
+                return True
+    return False
+
+
+def gauge(metrics: str, name: str) -> float:
+    return next(float(line.split()[-1]) for line in metrics.splitlines() if line.startswith(f"llmopt:{name}{{"))
+
+
+async def disconnect_phase(url: str, n: int) -> None:
+    async with httpx.AsyncClient(limits=httpx.Limits(max_connections=n + 4)) as client:
+        reached = await asyncio.gather(*(hang_up(client, url, i) for i in range(n)))
+        start = time.perf_counter()
+        running = kv = float("nan")
+        while time.perf_counter() - start < 30:
+            metrics = (await client.get(url + "/metrics")).text
+            running, kv = gauge(metrics, "num_requests_running"), gauge(metrics, "kv_cache_usage_perc")
+            if running == 0 and kv == 0:
+                break
+            await asyncio.sleep(0.1)
+        aborted = sum(float(line.split()[-1]) for line in metrics.splitlines()
+                      if line.startswith("llmopt:request_success_total") and 'finished_reason="abort"' in line)
+    print(f"
+{n} clients hung up mid-stream ({sum(reached)} after 3 chunks): after "
+          f"{time.perf_counter() - start:.1f} s /metrics shows num_requests_running={running:g}, "
+          f"kv_cache_usage_perc={kv:g}, request_success{{finished_reason=\"abort\"}}={aborted:g}")
+
+
+async def run(url: str, clients: int, max_tokens: int, disconnects: int) -> None:
     limits = httpx.Limits(max_connections=clients + 4)
     async with httpx.AsyncClient(limits=limits) as client:
         start = time.perf_counter()
@@ -88,6 +126,8 @@ async def run(url: str, clients: int, max_tokens: int) -> None:
     if errors:
         print("errors:", sorted(set(errors)))
     print(f"\nmean chunks per stream: {statistics.mean(r['chunks'] for r in ok):.1f} (max_tokens {max_tokens})")
+    if disconnects:
+        await disconnect_phase(url, disconnects)
 
 
 def main() -> None:
@@ -97,6 +137,7 @@ def main() -> None:
     ap.add_argument("--clients", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--disconnects", type=int, default=32)
     args = ap.parse_args()
     proc = None
     url = args.url
@@ -113,7 +154,7 @@ def main() -> None:
             except httpx.TransportError:
                 time.sleep(0.2)
     try:
-        asyncio.run(run(url, args.clients, args.max_tokens))
+        asyncio.run(run(url, args.clients, args.max_tokens, args.disconnects))
     finally:
         if proc is not None:
             proc.terminate()

@@ -23,7 +23,7 @@ from llmopt.cli.common import (
 )
 from llmopt.errors import LlmoptError
 
-ENGINES = ("llmopt", "vllm")
+ENGINES = ("llmopt", "llama.cpp", "vllm")
 
 
 @handles_errors
@@ -31,7 +31,7 @@ def serve(
     model: str = typer.Argument("default", help="'default', a model folder, a .gguf file or a hub id"),
     host: str = typer.Option("127.0.0.1", "--host"),
     port: int = typer.Option(8000, "--port"),
-    engine: str = typer.Option("llmopt", "--engine", help="Back end: llmopt (our paged runtime) or vllm (hands over to `vllm serve`)."),
+    engine: str = typer.Option("llmopt", "--engine", help="Back end: llmopt (our paged runtime), llama.cpp (GGUF files, one request at a time) or vllm (hands over to `vllm serve`)."),
     tensor_parallel_size: int = typer.Option(1, "--tensor-parallel-size", help="GPUs per model (vllm engine only)."),
     quantization: str | None = typer.Option(None, "--quantization", help="Passed to vllm (awq, gptq, ...)."),
     api_key: str | None = typer.Option(None, "--api-key", help="Require 'Authorization: Bearer KEY' (or set LLMOPT_API_KEY)."),
@@ -50,8 +50,7 @@ def serve(
 ) -> None:
     """Serve a model over the OpenAI API (chat, completions, streaming, /metrics)."""
     if engine not in ENGINES:
-        raise LlmoptError(f"unknown engine {engine!r}; available: {', '.join(ENGINES)} "
-                          "(the llama.cpp back end is not built yet)")
+        raise LlmoptError(f"unknown engine {engine!r}; available: {', '.join(ENGINES)}")
     if not 0 < port < 65536:
         raise LlmoptError(f"--port must be 1-65535, got {port}")
     if max_queue < 1:
@@ -65,25 +64,30 @@ def serve(
         os.execvp(argv[0], argv)  # vLLM owns the process from here (signals, exit code)
     if tensor_parallel_size != 1 or quantization:
         raise LlmoptError("--tensor-parallel-size and --quantization apply to --engine vllm only")
-    config = engine_config(max_num_seqs, max_num_batched_tokens, max_model_len, block_size, enable_prefix_caching,
-                           kv_cache_memory, gpu_memory_utilization)
     import uvicorn
 
-    from llmopt.core import load
-    from llmopt.runtime.async_engine import AsyncLLM
     from llmopt.serve.app import ServeConfig, build_app
 
-    loaded = load(model, dtype=dtype, device=device)
-    async_engine = AsyncLLM.from_spec(loaded, **asdict(config))
+    if engine == "llama.cpp":
+        async_engine, description = _llamacpp_engine(model, max_model_len)
+    else:
+        from llmopt.core import load
+        from llmopt.runtime.async_engine import AsyncLLM
+
+        config = engine_config(max_num_seqs, max_num_batched_tokens, max_model_len, block_size,
+                               enable_prefix_caching, kv_cache_memory, gpu_memory_utilization)
+        loaded = load(model, dtype=dtype, device=device)
+        async_engine = AsyncLLM.from_spec(loaded, **asdict(config))
+        kv = async_engine.engine.kv
+        description = (f"{loaded.config.architecture}, {loaded.dtype}, {loaded.device}; engine llmopt, KV cache "
+                       f"{kv.num_blocks} blocks x {kv.block_size} tokens")
     serve_config = ServeConfig(served_model_name=served_model_name or model,
                                api_key=api_key,
                                max_queue=max_queue, log_requests=log_requests)
     app = build_app(async_engine, serve_config)
-    kv = async_engine.engine.kv
     typer.echo(
-        f"llmopt serve: model {serve_config.served_model_name} ({loaded.config.architecture}, {loaded.dtype}, "
-        f"{loaded.device}), engine {engine}, KV cache {kv.num_blocks} blocks x {kv.block_size} tokens, "
-        f"max_model_len {async_engine.engine.max_model_len}, auth {'on' if serve_config.api_key else 'off'}\n"
+        f"llmopt serve: model {serve_config.served_model_name} ({description}), "
+        f"max_model_len {async_engine.max_model_len}, auth {'on' if serve_config.api_key else 'off'}\n"
         f"listening on http://{host}:{port}/v1"
     )
     uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=10)
@@ -116,3 +120,16 @@ def vllm_command(model: str, host: str, port: int, api_key: str | None, served_m
     if api_key:
         argv += ["--api-key", api_key]
     return argv
+
+
+def _llamacpp_engine(model: str, max_model_len: int | None):
+    from pathlib import Path
+
+    from llmopt.core.embedded import default_gguf_path
+    from llmopt.serve.llamacpp_engine import LlamaCppEngine
+
+    path = default_gguf_path() if model == "default" else Path(model).expanduser()
+    if path.suffix != ".gguf" or not path.is_file():
+        raise LlmoptError(f"--engine llama.cpp serves .gguf files; {model!r} is not one")
+    engine = LlamaCppEngine(path, max_model_len=max_model_len)
+    return engine, f"{path.name}; engine llama.cpp, one request at a time"

@@ -125,6 +125,11 @@ def read_gguf(path: Path) -> GGUFModel:
     return GGUFModel(config=config, tensors=tensors, tokenizer=_tokenizer(reader, path), file_type=file_type)
 
 
+def read_gguf_tokenizer(path: Path) -> Tokenizer:
+    """Just the tokenizer of a GGUF file (no tensors dequantized)."""
+    return _tokenizer(read_gguf_metadata(Path(path)), Path(path))
+
+
 def _hf_tensor_name(name: str) -> str | None:
     m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", name)
     if m:

@@ -41,6 +41,13 @@ class AsyncLLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        return self.engine.tokenize_prompt(prompt)
+
     def add_request(self, prompt: PromptType, params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
         """Validate and queue a request (raises LlmoptError now, before any output); call

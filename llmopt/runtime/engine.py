@@ -11,6 +11,7 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass
+from collections.abc import Iterator
 from typing import Any, Union
 
 import torch
@@ -47,7 +48,69 @@ class EngineStats:
     peak_kv_blocks_used: int
 
 
-class LLMEngine:
+class EngineFrontend:
+    """Turning prompts into validated `Sequence`s: shared by every engine behind our APIs."""
+
+    tokenizer: Any
+    vocab_size: int
+    max_model_len: int
+    requests: dict[str, Sequence]
+    _ids: Iterator[int]
+
+    def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise LlmoptError("the prompt is empty")
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), self.tokenize_prompt(list(prompt["prompt_token_ids"]))[1]
+            if "prompt" in prompt:
+                return self.tokenize_prompt(prompt["prompt"])
+            if "messages" in prompt:
+                return self.tokenize_prompt(list(prompt["messages"]))
+            raise LlmoptError("a prompt dict needs 'prompt', 'prompt_token_ids' or 'messages'")
+        if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
+            text = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True)
+            return text, self.tokenizer.encode(text, add_special_tokens=False)
+        if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            if not prompt:
+                raise LlmoptError("the prompt is empty")
+            bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+            if bad:
+                raise LlmoptError(f"prompt token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})")
+            return None, list(prompt)
+        raise LlmoptError(f"unsupported prompt type {type(prompt).__name__}: pass text, token ids or chat messages")
+
+    def new_sequence(self, prompt: PromptType, params: SamplingParams | None, request_id: str | None,
+                     arrival_time: float | None = None) -> Sequence:
+        """A validated request (not yet queued); raises LlmoptError if it can never run."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise LlmoptError("params must be a SamplingParams")
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        if request_id in self.requests:
+            raise LlmoptError(f"request id {request_id!r} is already in use")
+        text, ids = self.tokenize_prompt(prompt)
+        n = len(ids)
+        if n >= self.max_model_len:
+            raise LlmoptError(f"the prompt has {n} tokens; max_model_len is {self.max_model_len}")
+        if n + params.max_tokens > self.max_model_len:
+            raise LlmoptError(
+                f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) = {n + params.max_tokens} "
+                f"exceeds max_model_len {self.max_model_len}; lower max_tokens to at most {self.max_model_len - n}"
+            )
+        seq = Sequence(request_id=request_id, prompt_token_ids=ids, params=params,
+                       arrival_time=arrival_time if arrival_time is not None else time.time(), prompt=text)
+        seq.detokenizer = IncrementalDetokenizer(
+            self.tokenizer, ids, stop=params.stop_strings,
+            include_stop_str_in_output=params.include_stop_str_in_output,
+            skip_special_tokens=params.skip_special_tokens,
+        )
+        return seq
+
+
+class LLMEngine(EngineFrontend):
     def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None):
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
@@ -64,6 +127,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(loaded.model, num_blocks, config.block_size, loaded.dtype, loaded.device)
         self.kv_cache_bytes = num_blocks * block_bytes
+        self.vocab_size = loaded.config.vocab_size
         self.requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self.prompt_tokens = 0
@@ -112,66 +176,18 @@ class LLMEngine:
         return int(total * self.config.gpu_memory_utilization) - peak - max(used_by_others, 0)
 
     # ---- requests ---------------------------------------------------------------------
-    def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise LlmoptError("the prompt is empty")
-            return prompt, self.tokenizer.encode(prompt)
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), self.tokenize_prompt(list(prompt["prompt_token_ids"]))[1]
-            if "prompt" in prompt:
-                return self.tokenize_prompt(prompt["prompt"])
-            if "messages" in prompt:
-                return self.tokenize_prompt(list(prompt["messages"]))
-            raise LlmoptError("a prompt dict needs 'prompt', 'prompt_token_ids' or 'messages'")
-        if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
-            text = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True)
-            return text, self.tokenizer.encode(text, add_special_tokens=False)
-        if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            if not prompt:
-                raise LlmoptError("the prompt is empty")
-            vocab = self.loaded.config.vocab_size
-            bad = [t for t in prompt if not 0 <= t < vocab]
-            if bad:
-                raise LlmoptError(f"prompt token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
-            return None, list(prompt)
-        raise LlmoptError(f"unsupported prompt type {type(prompt).__name__}: pass text, token ids or chat messages")
-
     def add_request(self, prompt: PromptType, params: SamplingParams | None = None,
                     request_id: str | None = None, arrival_time: float | None = None) -> str:
         """Validate and queue a request; raises LlmoptError (for this request only) if it can never run."""
-        params = params or SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise LlmoptError("params must be a SamplingParams")
-        request_id = request_id if request_id is not None else str(next(self._ids))
-        if request_id in self.requests:
-            raise LlmoptError(f"request id {request_id!r} is already in use")
-        text, ids = self.tokenize_prompt(prompt)
-        n = len(ids)
-        if n >= self.max_model_len:
-            raise LlmoptError(f"the prompt has {n} tokens; max_model_len is {self.max_model_len}")
-        if n + params.max_tokens > self.max_model_len:
-            raise LlmoptError(
-                f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) = {n + params.max_tokens} "
-                f"exceeds max_model_len {self.max_model_len}; lower max_tokens to at most {self.max_model_len - n}"
-            )
-        if self.kv.blocks_needed(n + params.max_tokens) > self.kv.num_blocks:
-            raise LlmoptError(
-                f"the request needs {self.kv.blocks_needed(n + params.max_tokens)} KV blocks but the pool has "
-                f"{self.kv.num_blocks}; raise --kv-cache-memory or lower max_tokens"
-            )
-        seq = Sequence(request_id=request_id, prompt_token_ids=ids, params=params,
-                       arrival_time=arrival_time if arrival_time is not None else time.time(), prompt=text)
-        seq.generator = make_generator(params)
-        seq.detokenizer = IncrementalDetokenizer(
-            self.tokenizer, ids, stop=params.stop_strings,
-            include_stop_str_in_output=params.include_stop_str_in_output,
-            skip_special_tokens=params.skip_special_tokens,
-        )
-        self.requests[request_id] = seq
+        seq = self.new_sequence(prompt, params, request_id, arrival_time)
+        needed = self.kv.blocks_needed(seq.num_prompt_tokens + seq.params.max_tokens)
+        if needed > self.kv.num_blocks:
+            raise LlmoptError(f"the request needs {needed} KV blocks but the pool has {self.kv.num_blocks}; "
+                              "raise --kv-cache-memory or lower max_tokens")
+        seq.generator = make_generator(seq.params)
+        self.requests[seq.request_id] = seq
         self.scheduler.add(seq)
-        return request_id
+        return seq.request_id
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         seq = self.requests.pop(request_id, None)
@@ -180,7 +196,7 @@ class LLMEngine:
         seq.finish_reason = "abort"
         seq.finished_time = time.time()
         self.scheduler.finish(seq)
-        return self._output(seq, [])
+        return make_output(seq, [])
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -213,12 +229,12 @@ class LLMEngine:
                 self.prompt_tokens += seq.num_prompt_tokens
             if result.logprobs is not None:
                 seq.logprobs.append(result.logprobs)
-            self._check_stop(seq, result.token_id)
+            check_stop(seq, result.token_id, self.tokenizer.eos_token_ids, self.max_model_len)
             if seq.finish_reason is not None:
                 seq.finished_time = now
                 self.scheduler.finish(seq)
                 del self.requests[seq.request_id]
-            outputs.append(self._output(seq, new_ids))
+            outputs.append(make_output(seq, new_ids))
         return outputs
 
     def _sample_request(self, seq: Sequence) -> SampleRequest:
@@ -227,34 +243,6 @@ class LLMEngine:
         if seq.num_output_tokens < p.min_tokens:
             blocked = list(p.stop_token_ids) + ([] if p.ignore_eos else self.tokenizer.eos_token_ids)
         return SampleRequest(p, seq.generator, seq.prompt_token_ids, seq.output_token_ids, blocked)
-
-    def _check_stop(self, seq: Sequence, token: int) -> None:
-        p = seq.params
-        stop_string_hit = seq.detokenizer.add_token(token)
-        if not p.ignore_eos and token in self.tokenizer.eos_token_ids:
-            seq.finish_reason = "stop"
-        elif token in p.stop_token_ids:
-            seq.finish_reason, seq.stop_reason = "stop", token
-        elif stop_string_hit:
-            seq.finish_reason, seq.stop_reason = "stop", seq.detokenizer.stop_reason
-        elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
-            seq.finish_reason = "length"
-
-    def _output(self, seq: Sequence, new_ids: list[int]) -> RequestOutput:
-        finished = seq.finish_reason is not None
-        completion = CompletionOutput(
-            index=0,
-            text=seq.detokenizer.output_text,
-            token_ids=seq.output_token_ids,
-            finish_reason=seq.finish_reason,
-            stop_reason=seq.stop_reason,
-            logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
-            new_text=seq.detokenizer.new_text(finished=finished),
-            new_token_ids=new_ids,
-        )
-        metrics = RequestMetrics(seq.arrival_time, seq.first_scheduled_time, seq.first_token_time, seq.finished_time)
-        return RequestOutput(seq.request_id, seq.prompt, seq.prompt_token_ids, [completion], finished, metrics,
-                             num_cached_tokens=seq.num_cached_tokens)
 
     # ---- statistics -------------------------------------------------------------------
     def stats(self) -> EngineStats:
@@ -270,3 +258,34 @@ class LLMEngine:
             generation_tokens=self.generation_tokens,
             peak_kv_blocks_used=self.kv.peak_used_blocks,
         )
+
+
+def check_stop(seq: Sequence, token: int, eos_token_ids: list[int], max_model_len: int) -> None:
+    """After `token` was appended: set seq.finish_reason if the request is done (vLLM's order)."""
+    p = seq.params
+    stop_string_hit = seq.detokenizer.add_token(token)
+    if not p.ignore_eos and token in eos_token_ids:
+        seq.finish_reason = "stop"
+    elif token in p.stop_token_ids:
+        seq.finish_reason, seq.stop_reason = "stop", token
+    elif stop_string_hit:
+        seq.finish_reason, seq.stop_reason = "stop", seq.detokenizer.stop_reason
+    elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= max_model_len:
+        seq.finish_reason = "length"
+
+
+def make_output(seq: Sequence, new_ids: list[int]) -> RequestOutput:
+    finished = seq.finish_reason is not None
+    completion = CompletionOutput(
+        index=0,
+        text=seq.detokenizer.output_text,
+        token_ids=seq.output_token_ids,
+        finish_reason=seq.finish_reason,
+        stop_reason=seq.stop_reason,
+        logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
+        new_text=seq.detokenizer.new_text(finished=finished),
+        new_token_ids=new_ids,
+    )
+    metrics = RequestMetrics(seq.arrival_time, seq.first_scheduled_time, seq.first_token_time, seq.finished_time)
+    return RequestOutput(seq.request_id, seq.prompt, seq.prompt_token_ids, [completion], finished, metrics,
+                         num_cached_tokens=seq.num_cached_tokens)

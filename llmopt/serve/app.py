@@ -57,10 +57,11 @@ class _Job:
 
 
 def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
+    """`engine`: an AsyncLLM, or any back end with its surface (see llamacpp_engine.py)."""
     app = FastAPI(title="llmopt", version=__version__, docs_url=None, redoc_url=None)
     metrics = ServerMetrics(engine, config.served_model_name)
     tokenizer = engine.tokenizer
-    max_model_len = engine.engine.max_model_len
+    max_model_len = engine.max_model_len
     app.state.engine, app.state.metrics = engine, metrics
 
     @app.middleware("http")
@@ -175,7 +176,7 @@ def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
 
     def _tokenize_prompt(prompt: str | list[int]) -> tuple[str | None, list[int]]:
         try:
-            return engine.engine.tokenize_prompt(prompt)
+            return engine.tokenize_prompt(prompt)
         except LlmoptError as exc:
             raise RequestError(str(exc), param="prompt") from None
 
