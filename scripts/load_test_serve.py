@@ -98,8 +98,7 @@ async def disconnect_phase(url: str, n: int) -> None:
             await asyncio.sleep(0.1)
         aborted = sum(float(line.split()[-1]) for line in metrics.splitlines()
                       if line.startswith("llmopt:request_success_total") and 'finished_reason="abort"' in line)
-    print(f"
-{n} clients hung up mid-stream ({sum(reached)} after 3 chunks): after "
+    print(f"\n{n} clients hung up mid-stream ({sum(reached)} after 3 chunks): after "
           f"{time.perf_counter() - start:.1f} s /metrics shows num_requests_running={running:g}, "
           f"kv_cache_usage_perc={kv:g}, request_success{{finished_reason=\"abort\"}}={aborted:g}")
 
