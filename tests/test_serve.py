@@ -243,3 +243,34 @@ def test_sigterm_shuts_down_gracefully(tiny_models):
     assert proc.wait(timeout=20) in (0, -15)
     with pytest.raises(httpx.TransportError):
         httpx.get(base + "/health", timeout=1)
+
+
+def test_queue_limit_gives_503_and_logs_hide_prompts(tiny_models):
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "llmopt", "serve", str(tiny_models["llama"]), "--port", str(port),
+                             "--kv-cache-memory", "32MiB", "--max-model-len", "256", "--max-num-seqs", "1",
+                             "--max-queue", "1"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(120):
+            try:
+                if httpx.get(base + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.25)
+
+        async def burst():
+            async with httpx.AsyncClient(timeout=60) as client:
+                body = {"prompt": "secret words", "max_tokens": 200, "temperature": 0, "ignore_eos": True}
+                return await asyncio.gather(*(client.post(base + "/v1/completions", json=body) for _ in range(8)))
+
+        responses = asyncio.run(burst())
+        codes = [r.status_code for r in responses]
+        assert 200 in codes and 503 in codes, codes
+        busy = next(r for r in responses if r.status_code == 503)
+        assert busy.headers["retry-after"] == "1" and busy.json()["error"]["type"] == "server_busy"
+    finally:
+        proc.terminate()
+        log = proc.communicate(timeout=20)[0]
+    assert "request " in log and "prompt tokens" in log  # requests are logged ...
+    assert "secret words" not in log  # ... without their prompts unless --log-requests
