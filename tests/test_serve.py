@@ -27,23 +27,29 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server(tiny_models):
+def start_server(model: str, *flags: str, output=subprocess.PIPE) -> tuple[subprocess.Popen, str]:
+    """`llmopt serve MODEL` on a free port; returns once /health answers."""
     port = free_port()
-    cmd = [sys.executable, "-m", "llmopt", "serve", str(tiny_models["llama"]), "--port", str(port),
-           "--served-model-name", MODEL, "--api-key", KEY, "--kv-cache-memory", "64MiB", "--max-model-len", "256",
-           "--max-num-seqs", "8"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=os.environ.copy())
+    proc = subprocess.Popen([sys.executable, "-m", "llmopt", "serve", model, "--port", str(port), *flags],
+                            stdout=output, stderr=subprocess.STDOUT, text=True, env=os.environ.copy())
     base = f"http://127.0.0.1:{port}"
-    for _ in range(120):
+    for _ in range(240):
         try:
             if httpx.get(base + "/health", timeout=1).status_code == 200:
-                break
+                return proc, base
         except httpx.TransportError:
             pass
         if proc.poll() is not None:
-            raise RuntimeError(proc.stdout.read())
+            raise RuntimeError(f"server exited: {proc.stdout.read() if proc.stdout else proc.returncode}")
         time.sleep(0.25)
+    proc.kill()
+    raise RuntimeError("server did not start in 60 s")
+
+
+@pytest.fixture(scope="module")
+def server(tiny_models):
+    proc, base = start_server(str(tiny_models["llama"]), "--served-model-name", MODEL, "--api-key", KEY,
+                              "--kv-cache-memory", "64MiB", "--max-model-len", "256", "--max-num-seqs", "8")
     yield base
     proc.terminate()
     proc.wait(timeout=20)
@@ -217,17 +223,8 @@ def test_vllm_engine_hands_over_flags(tiny_models, tmp_path):
 
 def test_sigterm_shuts_down_gracefully(tiny_models):
     """SIGTERM while a stream is in flight: the stream still completes, then the server exits."""
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "llmopt", "serve", str(tiny_models["llama"]), "--port", str(port),
-                             "--kv-cache-memory", "32MiB", "--max-model-len", "256"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    base = f"http://127.0.0.1:{port}"
-    for _ in range(120):
-        try:
-            if httpx.get(base + "/health", timeout=1).status_code == 200:
-                break
-        except httpx.TransportError:
-            time.sleep(0.25)
+    proc, base = start_server(str(tiny_models["llama"]), "--kv-cache-memory", "32MiB", "--max-model-len", "256",
+                              output=subprocess.DEVNULL)
     body = {"prompt": "the", "max_tokens": 200, "temperature": 0, "stream": True, "ignore_eos": True}
     lines = []
     with httpx.stream("POST", base + "/v1/completions", json=body, timeout=30) as resp:
@@ -246,19 +243,9 @@ def test_sigterm_shuts_down_gracefully(tiny_models):
 
 
 def test_queue_limit_gives_503_and_logs_hide_prompts(tiny_models):
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "llmopt", "serve", str(tiny_models["llama"]), "--port", str(port),
-                             "--kv-cache-memory", "32MiB", "--max-model-len", "256", "--max-num-seqs", "1",
-                             "--max-queue", "1"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    base = f"http://127.0.0.1:{port}"
+    proc, base = start_server(str(tiny_models["llama"]), "--kv-cache-memory", "32MiB", "--max-model-len", "256",
+                              "--max-num-seqs", "1", "--max-queue", "1")
     try:
-        for _ in range(120):
-            try:
-                if httpx.get(base + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.25)
-
         async def burst():
             async with httpx.AsyncClient(timeout=60) as client:
                 body = {"prompt": "secret words", "max_tokens": 200, "temperature": 0, "ignore_eos": True}

@@ -3,10 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
-import subprocess
-import sys
-import time
 
 import httpx
 import pytest
@@ -14,7 +10,7 @@ import pytest
 pytest.importorskip("llama_cpp")
 openai = pytest.importorskip("openai")
 
-from test_serve import free_port, post  # noqa: E402
+from test_serve import post, start_server  # noqa: E402
 
 pytestmark = pytest.mark.integration
 KEY = "test-key"
@@ -22,20 +18,7 @@ KEY = "test-key"
 
 @pytest.fixture(scope="module")
 def server():
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "llmopt", "serve", "default", "--engine", "llama.cpp",
-                             "--port", str(port), "--api-key", KEY, "--max-model-len", "1024"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=os.environ.copy())
-    base = f"http://127.0.0.1:{port}"
-    for _ in range(240):
-        try:
-            if httpx.get(base + "/health", timeout=1).status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        if proc.poll() is not None:
-            raise RuntimeError(proc.stdout.read())
-        time.sleep(0.25)
+    proc, base = start_server("default", "--engine", "llama.cpp", "--api-key", KEY, "--max-model-len", "1024")
     yield base
     proc.terminate()
     proc.wait(timeout=20)

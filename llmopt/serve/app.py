@@ -250,61 +250,53 @@ def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
                     finals[job.index] = out
         return finals
 
-    async def _chat_stream(jobs, body: ChatCompletionRequest, created: int, rid: str) -> AsyncIterator[str]:
+    async def _stream(jobs: list[_Job], body, created: int, rid: str, object_name: str,
+                      intro: list[dict[str, Any]], choice) -> AsyncIterator[str]:
+        """SSE chunks: `intro` choices first, then `choice(job, completion, logprobs, finish_reason)` for each
+        output with new text or a finish, an optional usage chunk, and [DONE]."""
+
         def chunk(choices, usage=None) -> str:
-            doc = {"id": rid, "object": "chat.completion.chunk", "created": created,
-                   "model": config.served_model_name, "choices": choices}
+            doc = {"id": rid, "object": object_name, "created": created, "model": config.served_model_name,
+                   "choices": choices}
             if usage is not None:
                 doc["usage"] = usage
             return f"data: {json.dumps(doc)}\n\n"
 
-        for job in jobs:
-            yield chunk([{"index": job.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                          "finish_reason": None}])
+        for first in intro:
+            yield chunk([first])
         finals: dict[int, RequestOutput] = {}
         async with contextlib.aclosing(_outputs(jobs)) as stream:
             async for job, out in stream:
                 c = out.outputs[0]
                 if c.new_text or out.finished:
-                    lp = None
-                    if body.logprobs and c.new_token_ids and c.logprobs:
-                        lp = _chat_logprobs(c.new_token_ids, c.logprobs[-len(c.new_token_ids):], body.top_logprobs or 0)
-                    delta = {"content": c.new_text} if c.new_text else {}
-                    yield chunk([{"index": job.index, "delta": delta, "logprobs": lp,
-                                  "finish_reason": _finish(c.finish_reason) if out.finished else None}])
+                    fresh = c.logprobs[-len(c.new_token_ids):] if c.logprobs and c.new_token_ids else None
+                    yield chunk([choice(job, c, fresh, _finish(c.finish_reason) if out.finished else None)])
                 if out.finished:
                     finals[job.index] = out
         if body.include_usage:
             yield chunk([], _usage(jobs, finals))
         yield "data: [DONE]\n\n"
 
-    async def _completion_stream(jobs, body: CompletionRequest, created: int, rid: str) -> AsyncIterator[str]:
-        def chunk(choices, usage=None) -> str:
-            doc = {"id": rid, "object": "text_completion", "created": created,
-                   "model": config.served_model_name, "choices": choices}
-            if usage is not None:
-                doc["usage"] = usage
-            return f"data: {json.dumps(doc)}\n\n"
+    def _chat_stream(jobs, body: ChatCompletionRequest, created: int, rid: str) -> AsyncIterator[str]:
+        intro = [{"index": j.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                  "finish_reason": None} for j in jobs]
 
-        if body.echo:
-            for job in jobs:
-                yield chunk([{"index": job.index, "text": job.prompt_text or tokenizer.decode(job.prompt_ids),
-                              "logprobs": None, "finish_reason": None}])
-        finals: dict[int, RequestOutput] = {}
-        async with contextlib.aclosing(_outputs(jobs)) as stream:
-            async for job, out in stream:
-                c = out.outputs[0]
-                if c.new_text or out.finished:
-                    lp = None
-                    if body.logprobs is not None and c.new_token_ids and c.logprobs:
-                        lp = _completion_logprobs(c.new_token_ids, c.logprobs[-len(c.new_token_ids):])
-                    yield chunk([{"index": job.index, "text": c.new_text, "logprobs": lp,
-                                  "finish_reason": _finish(c.finish_reason) if out.finished else None}])
-                if out.finished:
-                    finals[job.index] = out
-        if body.include_usage:
-            yield chunk([], _usage(jobs, finals))
-        yield "data: [DONE]\n\n"
+        def choice(job, c, fresh, finish):
+            lp = _chat_logprobs(c.new_token_ids, fresh, body.top_logprobs or 0) if body.logprobs and fresh else None
+            return {"index": job.index, "delta": {"content": c.new_text} if c.new_text else {}, "logprobs": lp,
+                    "finish_reason": finish}
+
+        return _stream(jobs, body, created, rid, "chat.completion.chunk", intro, choice)
+
+    def _completion_stream(jobs, body: CompletionRequest, created: int, rid: str) -> AsyncIterator[str]:
+        intro = [{"index": j.index, "text": j.prompt_text or tokenizer.decode(j.prompt_ids), "logprobs": None,
+                  "finish_reason": None} for j in jobs] if body.echo else []
+
+        def choice(job, c, fresh, finish):
+            lp = _completion_logprobs(c.new_token_ids, fresh) if body.logprobs is not None and fresh else None
+            return {"index": job.index, "text": c.new_text, "logprobs": lp, "finish_reason": finish}
+
+        return _stream(jobs, body, created, rid, "text_completion", intro, choice)
 
     def _token_text(token_id: int) -> str:
         return tokenizer.decode([token_id], skip_special_tokens=False)
