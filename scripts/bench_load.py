@@ -40,8 +40,8 @@ def main() -> None:
         env = {**os.environ, "LLMOPT_CACHE": cache}
         cold = run_once(args.spec, env)
         warm = [run_once(args.spec, env) for _ in range(args.runs)]
-    print(f"| cache | runs | import (s) | load() (s) | total (s) |")
-    print(f"|---|---|---|---|---|")
+    print("| cache | runs | import (s) | load() (s) | total (s) |")
+    print("|---|---|---|---|---|")
     print(f"| cold (converts GGUF) | 1 | {cold['import_s']:.2f} | {cold['load_s']:.2f} | {cold['total_s']:.2f} |")
     med = {k: statistics.median(r[k] for r in warm) for k in warm[0]}
     worst = max(r["total_s"] for r in warm)

@@ -117,8 +117,8 @@ async def run(url: str, clients: int, max_tokens: int, disconnects: int) -> None
     itl = [x for r in ok for x in r["itl"]]
     gen = next((float(line.split()[-1]) for line in metrics.splitlines()
                 if line.startswith("llmopt:generation_tokens_total")), float("nan"))
-    print(f"| clients | errors | streams without [DONE] | wall (s) | output tok/s | TTFT p50 / p99 (s) | "
-          f"ITL p50 / p99 (ms) |")
+    print("| clients | errors | streams without [DONE] | wall (s) | output tok/s | TTFT p50 / p99 (s) | "
+          "ITL p50 / p99 (ms) |")
     print("|---|---|---|---|---|---|---|")
     print(f"| {clients} | {len(errors)} | {unfinished} | {wall:.1f} | {gen / wall:.1f} | "
           f"{pct(ttft, .5):.2f} / {pct(ttft, .99):.2f} | {pct(itl, .5) * 1e3:.0f} / {pct(itl, .99) * 1e3:.0f} |")
