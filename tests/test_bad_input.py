@@ -9,29 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from typer.testing import CliRunner
-
-from conftest import read_config
-from llmopt.cli.main import app
-
-runner = CliRunner()
-
-
-def run_cli(*args: str):
-    result = runner.invoke(app, list(args))
-    return result.exit_code, result.stderr, result.stdout
-
-
-def assert_usage_error(args, *fragments):
-    code, err, out = run_cli(*args)
-    assert code == 2, (code, err, out)
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: "), err
-    assert "Traceback" not in err + out
-    for fragment in fragments:
-        assert fragment in lines[0], (fragment, lines[0])
-    return lines[0]
-
+from conftest import assert_usage_error, read_config, run_cli
 
 def copy_model(src: Path, dst: Path) -> Path:
     shutil.copytree(src, dst)
@@ -123,7 +101,7 @@ def test_hub_id_offline(monkeypatch):
     assert_usage_error(["models", "info", "nobody-here/not-a-model"], "nobody-here/not-a-model", "HF_HUB_OFFLINE")
 
 
-def test_quantized_folder_is_recognised_but_not_loaded(tiny_models, tmp_path):
+def test_quantized_config_without_packed_tensors(tiny_models, tmp_path):
     folder = copy_model(tiny_models["llama"], tmp_path / "m")
     config = read_config(folder)
     config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True,
@@ -132,7 +110,19 @@ def test_quantized_folder_is_recognised_but_not_loaded(tiny_models, tmp_path):
     code, _, out = run_cli("models", "info", str(folder), "--json")
     assert code == 0
     assert json.loads(out)["quantization"]["method"] == "awq"
-    assert_usage_error(["generate", str(folder), "-p", "hi"], "AWQ checkpoint", "not implemented yet")
+    assert_usage_error(["generate", str(folder), "-p", "hi"], "config says AWQ", "no packed (.qweight) tensors")
+
+
+def test_corrupt_packed_tensors(tiny_models, tmp_path):
+    from llmopt.core.weights import load_safetensors, save_safetensors
+
+    folder = tmp_path / "gptq"
+    code, err, _ = run_cli("quantize", str(tiny_models["llama"]), "-o", str(folder), "--method", "rtn", "--group-size", "32")
+    assert code == 0, err
+    tensors = load_safetensors([folder / "model.safetensors"])
+    tensors["model.layers.1.mlp.up_proj.scales"] = tensors["model.layers.1.mlp.up_proj.scales"][:1].clone()
+    save_safetensors(tensors, folder / "model.safetensors")
+    assert_usage_error(["generate", str(folder), "-p", "hi"], "model.layers.1.mlp.up_proj", "do not match")
 
 
 def test_unknown_quantization_method(tiny_models, tmp_path):

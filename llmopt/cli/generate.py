@@ -84,6 +84,7 @@ def generate(
     gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION,
     dtype: str = DTYPE,
     device: str = DEVICE,
+    engine: str = typer.Option("llmopt", "--engine", help="llmopt (our paged runtime) or llama.cpp (a .gguf file through llama-cpp-python, one request at a time)."),
     json_output: bool = typer.Option(False, "--json", help="Print one JSON document."),
 ) -> None:
     """Generate completions for one or many prompts, continuously batched."""
@@ -100,17 +101,29 @@ def generate(
                             ignore_eos=ignore_eos)
     config = engine_config(max_num_seqs, max_num_batched_tokens, max_model_len, block_size, enable_prefix_caching,
                            kv_cache_memory, gpu_memory_utilization)
-    from llmopt.core import load
-    from llmopt.runtime.llm import LLM
+    if engine not in ("llmopt", "llama.cpp"):
+        raise LlmoptError(f"unknown engine {engine!r}; choose llmopt or llama.cpp")
+    if engine == "llama.cpp":
+        if not model.endswith(".gguf"):
+            raise LlmoptError("--engine llama.cpp runs .gguf files; pass one (llmopt quantize --method gguf writes them)")
+        from llmopt.core import resolve
+        from llmopt.serve.llamacpp_engine import LlamaCppEngine
 
-    loaded = load(model, dtype=dtype, device=device)
-    use_chat = loaded.tokenizer.is_chat if chat is None else chat
+        resolve(model)  # a missing or unreadable file is reported before llama.cpp sees it
+        llm_engine = LlamaCppEngine(Path(model), max_model_len=max_model_len)
+    else:
+        from llmopt.core import load
+        from llmopt.runtime.llm import LLM
+
+        llm = LLM(load(model, dtype=dtype, device=device), **asdict(config))
+        llm_engine = llm.engine
+    tokenizer = llm_engine.tokenizer
+    use_chat = tokenizer.is_chat if chat is None else chat
     if system and not use_chat:
         raise LlmoptError("--system needs the chat template; drop --no-chat")
     requests = [_as_request(p, use_chat, system) for p in prompts]
-    llm = LLM(loaded, **asdict(config))
     start = time.perf_counter()
-    outputs = llm.generate(requests, params)
+    outputs = _generate_llamacpp(llm_engine, requests, params) if engine == "llama.cpp" else llm.generate(requests, params)
     elapsed = time.perf_counter() - start
 
     output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
@@ -139,7 +152,7 @@ def generate(
         "output_tokens": output_tokens,
         "elapsed_s": round(elapsed, 4),
         "output_tokens_per_s": round(output_tokens / elapsed, 2) if elapsed > 0 else 0.0,
-        "engine": asdict(llm.engine.stats()),
+        "engine": asdict(llm_engine.stats()),
     }
     if json_output:
         print_json({**summary, "requests": records})
@@ -160,6 +173,28 @@ def generate(
         typer.echo(f"error: prompt {i}: {out.error}", err=True)
     if failed:
         raise typer.Exit(2)
+
+
+def _generate_llamacpp(engine, requests: list[Any], params) -> list:
+    """Final outputs of each request through the llama.cpp engine (it serves them in order)."""
+    import asyncio
+
+    async def run_all():
+        async def final(prompt):
+            try:
+                request_id = engine.add_request(prompt, params)
+            except LlmoptError as exc:
+                from llmopt.runtime.llm import rejected_output
+
+                return rejected_output("rejected", prompt, str(exc))
+            last = None
+            async for out in engine.stream_outputs(request_id):
+                last = out
+            return last
+
+        return await asyncio.gather(*(final(p) for p in requests))
+
+    return asyncio.run(run_all())
 
 
 def _as_request(prompt: Any, use_chat: bool, system: str | None) -> Any:

@@ -8,8 +8,10 @@ import sys
 import typer
 
 from llmopt import __version__
+from llmopt.cli import eval as eval_cmd
 from llmopt.cli import generate as generate_cmd
 from llmopt.cli import models as models_cmd
+from llmopt.cli import quantize as quantize_cmd
 from llmopt.cli import serve as serve_cmd
 from llmopt.cli.common import DEBUG
 
@@ -56,6 +58,8 @@ def root(
     logger.setLevel(logging.WARNING if quiet else (logging.DEBUG if debug else logging.INFO))
 
 
+app.command("quantize")(quantize_cmd.quantize)
+app.command("eval")(eval_cmd.eval_command)
 app.command("generate")(generate_cmd.generate)
 app.command("serve")(serve_cmd.serve)
 app.add_typer(models_cmd.app, name="models")

@@ -26,6 +26,9 @@ def atomic_dir(final: Path, overwrite: bool = False) -> Iterator[Path]:
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
     try:
         yield tmp
+        _default_permissions(tmp, 0o777)
+        for child in tmp.iterdir():
+            _default_permissions(child, 0o777 if child.is_dir() else 0o666)
         if overwrite and final.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{final.name}.old-", dir=final.parent))
             os.rename(final, old / "x")
@@ -51,6 +54,14 @@ def atomic_file(final: Path) -> Iterator[Path]:
     tmp = Path(name)
     try:
         yield tmp
+        _default_permissions(tmp, 0o666)
         os.replace(tmp, final)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def _default_permissions(path: Path, mode: int) -> None:
+    """mkdtemp/mkstemp create private (0700/0600) entries; outputs get the usual umask'd mode."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, mode & ~umask)

@@ -56,12 +56,8 @@ def load(source: ModelSource | str, dtype: str = "auto", device: str = "cpu") ->
         raise LlmoptError("device 'cuda' requested but CUDA is not available on this machine")
     torch_dtype = resolve_dtype(dtype, torch_device)
     quant = source.quantization
-    if quant is not None and quant.method in ("awq", "gptq"):
-        raise LlmoptError(
-            f"{source.spec} is a {quant.method.upper()} checkpoint ({quant.bits}-bit, group {quant.group_size}); "
-            "loading packed int4 weights is not implemented yet (it lands with `llmopt quantize`)"
-        )
     config = source.config
+    unpacked = {}
     if source.kind == "gguf":
         from llmopt.core.gguf_file import read_gguf
 
@@ -70,8 +66,12 @@ def load(source: ModelSource | str, dtype: str = "auto", device: str = "cpu") ->
     else:
         tensors = load_safetensors(safetensors_files(source.path))
         tokenizer = Tokenizer.from_dir(source.path, extra_eos_token_ids=_generation_eos(source.path, config))
+        if quant is not None and quant.method in ("awq", "gptq"):
+            tensors, unpacked = _dequantized(tensors, quant, where=str(source.path))
     tokenizer.extra_eos_token_ids = sorted(set(tokenizer.extra_eos_token_ids) | set(config.eos_token_ids))
     model = build_model(config, tensors, torch_dtype, torch_device, where=str(source.path))
+    if unpacked and torch_device.type == "cpu" and torch_dtype != torch.float32:
+        use_int4_kernels(model, unpacked, torch_dtype)
     return LoadedModel(source=source, config=config, tokenizer=tokenizer, model=model,
                        dtype=torch_dtype, device=torch_device)
 
@@ -107,6 +107,42 @@ def build_model(
         if isinstance(module, LinearBase):
             module.prepare()
     return model.eval()
+
+
+def _dequantized(tensors: dict[str, torch.Tensor], quant: QuantizationInfo, where: str):
+    """AWQ / GPTQ int4 projections unpacked: dense weights (the reference path) and codes + grids by prefix."""
+    from llmopt.quant.formats import dequantize_checkpoint
+
+    if quant.group_size is None or quant.bits is None:
+        raise LlmoptError(f"{where}: quantization_config needs 'bits' and 'group_size'")
+    v2 = quant.details.get("checkpoint_format") == "gptq_v2"
+    return dequantize_checkpoint(tensors, quant.method, int(quant.bits), int(quant.group_size), gptq_v2=v2)
+
+
+def use_int4_kernels(model: LlamaForCausalLM, unpacked: dict, dtype: torch.dtype) -> None:
+    """Swap each int4 projection's dense weight for PyTorch's CPU int4 kernel (bf16/fp16 models).
+
+    Fused projections (q/k/v, gate/up) join their parts along the output dimension; a
+    layer the kernel cannot take (odd group layout) keeps its dense weight.
+    """
+    from llmopt.model.int4_linear import int4_linear
+    from llmopt.quant.quantizer import QuantizedWeight
+
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, LinearBase):
+            continue
+        parts = [p[: -len(".weight")] for p in checkpoint_names(f"{name}.weight")]
+        if not all(p in unpacked for p in parts):
+            continue
+        qs = [unpacked[p] for p in parts]
+        if any(not torch.equal(q.g_idx, qs[0].g_idx) for q in qs):
+            continue
+        joined = QuantizedWeight(codes=torch.cat([q.codes for q in qs]), scales=torch.cat([q.scales for q in qs]),
+                                 zeros=torch.cat([q.zeros for q in qs]), g_idx=qs[0].g_idx, scheme=qs[0].scheme)
+        layer = int4_linear(joined, getattr(module, "bias", None), dtype)
+        if layer is not None:
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, child, layer)
 
 
 def _stack(tensors: dict[str, torch.Tensor], parts: list[str], where: str) -> torch.Tensor:

@@ -13,6 +13,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 
 import torch
+import torch.nn.functional as F
 
 from llmopt.kernels.paged_attention import attend, prefill_mask
 
@@ -79,3 +80,21 @@ class ContiguousKVCache(AttentionBackend):
             out[start:end] = attend(q[start:end], keys, values, mask)
             start = end
         return out
+
+
+class EqualLengthAttention(AttentionBackend):
+    """Causal attention over `num_seqs` whole sequences of equal length packed flat, no cache.
+
+    For passes over fixed windows of text (calibration, perplexity): one batched SDPA call.
+    """
+
+    def __init__(self, num_seqs: int, seq_len: int):
+        self.num_seqs, self.seq_len = num_seqs, seq_len
+
+    def forward(self, layer_idx, q, k, v, sliding_window):
+        b, t = self.num_seqs, self.seq_len
+        shape = lambda a: a.reshape(b, t, a.shape[1], a.shape[2]).transpose(1, 2)  # noqa: E731
+        mask = prefill_mask(t, 0, sliding_window, q.device)
+        out = F.scaled_dot_product_attention(shape(q), shape(k), shape(v), attn_mask=mask,
+                                             enable_gqa=q.shape[1] != k.shape[1])
+        return out.transpose(1, 2).reshape(b * t, q.shape[1], q.shape[2])

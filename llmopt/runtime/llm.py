@@ -48,7 +48,7 @@ class LLM:
             try:
                 self.engine.add_request(prompt, params, request_id=request_id)
             except LlmoptError as exc:
-                results[request_id] = _rejected(request_id, prompt, str(exc))
+                results[request_id] = rejected_output(request_id, prompt, str(exc))
         while self.engine.has_unfinished_requests():
             for out in self.engine.step():
                 if out.finished:
@@ -63,7 +63,7 @@ class LLM:
         return self.generate([{"messages": c} for c in conversations], sampling_params)
 
 
-def _rejected(request_id: str, prompt: Any, message: str) -> RequestOutput:
+def rejected_output(request_id: str, prompt: Any, message: str) -> RequestOutput:
     now = time.time()
     return RequestOutput(
         request_id=request_id,

@@ -1,0 +1,1 @@
+"""`llmopt eval`: perplexity, KL divergence, MMLU and HumanEval, with quality gates."""

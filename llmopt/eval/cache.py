@@ -1,0 +1,89 @@
+"""The baseline cache: a baseline's scores, computed once, reused by every candidate gated against it.
+
+Entries live under `$LLMOPT_CACHE/eval/` and are keyed by the sha256 of everything the
+scores depend on: the model's files (path, config.json, and every file's name, size and
+mtime, so a checkpoint rewritten in place misses), dtype and device, the data (a hash of the
+text or questions) and the task's settings, plus `CACHE_VERSION` (bumped when what we
+compute changes). A key never says *which* inputs changed; a miss simply recomputes.
+
+Two kinds of entry, both written atomically (a reader sees a whole entry or none):
+- `<key>.json`: per-item results (MMLU log-likelihoods, HumanEval samples and verdicts).
+- `<key>/`: a folder of .npy arrays plus meta.json (perplexity/KLD: per-token NLL, and for
+  KLD the baseline's full-vocabulary log-probabilities as float16, rows x vocab x 2 bytes:
+  4096 scored tokens x 49152 = 403 MB for the default model).
+
+Nothing evicts entries; delete the folder to reclaim the space (`--no-cache` skips it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from llmopt.core.atomic import atomic_dir, atomic_file
+from llmopt.core.source import ModelSource
+
+CACHE_VERSION = 1
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("LLMOPT_CACHE") or Path.home() / ".cache" / "llmopt") / "eval"
+
+
+def model_identity(source: ModelSource, dtype: str, device: str) -> dict[str, Any]:
+    """What a model's scores depend on, without reading its weights."""
+    path = Path(source.path).resolve()
+    entries = [path] if path.is_file() else sorted(p for p in path.iterdir() if p.is_file() and not p.name.startswith("."))
+    files = []
+    for p in entries:
+        st = p.stat()
+        files.append([p.name, st.st_size, st.st_mtime_ns])
+    return {"path": str(path), "config": source.raw_config, "files": files, "dtype": dtype, "device": device}
+
+
+def make_key(*parts: Any) -> str:
+    blob = json.dumps([CACHE_VERSION, *parts], sort_keys=True, default=str, separators=(",", ":"))
+    return hashlib.sha256(blob.encode("utf-8")).hexdigest()[:40]
+
+
+def read_json(key: str) -> dict[str, Any] | None:
+    path = cache_dir() / f"{key}.json"
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def write_json(key: str, data: dict[str, Any]) -> Path:
+    path = cache_dir() / f"{key}.json"
+    with atomic_file(path) as tmp:
+        tmp.write_text(json.dumps(data), encoding="utf-8")
+    return path
+
+
+def array_dir(key: str) -> Path:
+    return cache_dir() / key
+
+
+def read_arrays(key: str, names: tuple[str, ...]) -> tuple[dict[str, Any], dict[str, np.ndarray]] | None:
+    """meta.json and the named arrays (memory-mapped) of a folder entry, or None if any is missing."""
+    folder = array_dir(key)
+    try:
+        meta = json.loads((folder / "meta.json").read_text(encoding="utf-8"))
+        return meta, {name: np.load(folder / f"{name}.npy", mmap_mode="r") for name in names}
+    except (OSError, ValueError, json.JSONDecodeError):
+        return None
+
+
+@contextmanager
+def new_entry(key: str) -> Iterator[Path]:
+    """A folder to fill with .npy arrays and meta.json; it becomes the entry only if the block succeeds."""
+    with atomic_dir(array_dir(key), overwrite=True) as tmp:
+        yield tmp

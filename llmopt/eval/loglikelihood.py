@@ -1,0 +1,154 @@
+"""Batched log P(continuation | context) through our decoder, as lm-evaluation-harness computes it.
+
+Encoding follows lm-eval's `_encode_pair`: trailing spaces of the context move to the
+front of the continuation, `whole = encode(context + continuation)`, `ctx = encode(context)`
+and the continuation's tokens are `whole[len(ctx):]` (so a merge across the boundary is
+scored the way lm-eval scores it). No special tokens are added (lm-eval's default for
+causal models); an empty context becomes the EOS token. Inputs longer than the model's
+context are cut from the left, keeping the continuation.
+
+Fast path: when every continuation of a context is one token (MMLU's " A".." D" on BPE
+tokenizers), one forward over the context answers them all from its last position.
+Otherwise each pair runs as `(ctx + cont)[:-1]`.
+
+Sequences are sorted by length and packed flat, several per forward (`PackedAttention`:
+per-sequence causal attention, no KV cache, no padding), and the vocabulary projection is
+applied only to the rows that are scored.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from llmopt.errors import LlmoptError
+from llmopt.kernels.paged_attention import attend, prefill_mask
+from llmopt.model.attention import AttentionBackend
+
+DEFAULT_BATCH_TOKENS = 2048  # flat tokens per forward: big enough for efficient GEMMs, small activations
+
+
+class PackedAttention(AttentionBackend):
+    """Causal attention within each of several whole sequences packed one after another."""
+
+    def __init__(self, seq_lens: Sequence[int]):
+        self.seq_lens = list(seq_lens)
+
+    def forward(self, layer_idx, q, k, v, sliding_window):
+        out = torch.empty_like(q)
+        start = 0
+        for n in self.seq_lens:
+            end = start + n
+            out[start:end] = attend(q[start:end], k[start:end], v[start:end], prefill_mask(n, 0, sliding_window, q.device))
+            start = end
+        return out
+
+
+@dataclass
+class _Job:
+    """One sequence to run and the (pair, row, target token) triples it answers."""
+
+    ids: list[int]
+    scores: list[tuple[int, int, int]] = field(default_factory=list)  # (pair index, row in ids, target id)
+
+
+def encode_pair(encode: Callable[[str], list[int]], context: str, continuation: str,
+                encode_context: Callable[[str], list[int]] | None = None) -> tuple[list[int], list[int]]:
+    """lm-eval's `_encode_pair`: context and continuation token ids (`encode_context` may cache)."""
+    spaces = len(context) - len(context.rstrip())
+    if spaces:
+        context, continuation = context[:-spaces], context[-spaces:] + continuation
+    whole = encode(context + continuation)
+    ctx = (encode_context or encode)(context)
+    return ctx, whole[len(ctx):]
+
+
+def plan_jobs(tokenizer, pairs: Sequence[tuple[str, str]], max_length: int) -> tuple[list[_Job], bool]:
+    """The sequences to run for `pairs`, and whether every context took the one-forward fast path."""
+    encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    eos = (tokenizer.eos_token_ids or [0])[0]
+    ctx_cache: dict[str, list[int]] = {}  # every MMLU question's context is asked for four times
+
+    def encode_context(text: str) -> list[int]:
+        if text not in ctx_cache:
+            ctx_cache[text] = encode(text)
+        return ctx_cache[text]
+
+    encoded: list[tuple[list[int], list[int]]] = []
+    for context, continuation in pairs:
+        if context.strip():
+            ctx, cont = encode_pair(encode, context, continuation, encode_context)
+        else:  # lm-eval: an empty context is the end-of-text token
+            ctx, cont = [], encode(context + continuation)
+        if not cont:
+            raise LlmoptError(f"continuation {continuation!r} encodes to no tokens after context {context[-40:]!r}")
+        encoded.append((ctx or [eos], cont))
+
+    by_context: dict[tuple[int, ...], list[int]] = {}
+    for i, (ctx, _) in enumerate(encoded):
+        by_context.setdefault(tuple(ctx), []).append(i)
+    jobs, all_fast = [], True
+    for ctx, members in by_context.items():
+        if all(len(encoded[i][1]) == 1 for i in members):
+            ids = list(ctx)[-max_length:]
+            jobs.append(_Job(ids, [(i, len(ids) - 1, encoded[i][1][0]) for i in members]))
+            continue
+        all_fast = False
+        for i in members:
+            cont = encoded[i][1]
+            full = (list(ctx) + cont)[-(max_length + 1):]  # left-truncate like lm-eval
+            ids = full[:-1]
+            first = len(ids) - len(cont)
+            jobs.append(_Job(ids, [(i, first + j, t) for j, t in enumerate(cont)]))
+    return jobs, all_fast
+
+
+@torch.inference_mode()
+def run_jobs(model, jobs: list[_Job], num_pairs: int, batch_tokens: int = DEFAULT_BATCH_TOKENS,
+             on_progress: Callable[[int], None] | None = None) -> list[float]:
+    """Sum of target log-probs per pair; jobs are packed longest first into forwards of <= batch_tokens."""
+    device = next(model.parameters()).device
+    totals = torch.zeros(num_pairs, dtype=torch.float64)
+    order = sorted(range(len(jobs)), key=lambda j: -len(jobs[j].ids))
+    i = 0
+    while i < len(order):
+        batch = [jobs[order[i]]]
+        used = len(batch[0].ids)
+        i += 1
+        while i < len(order) and used + len(jobs[order[i]].ids) <= batch_tokens:
+            batch.append(jobs[order[i]])
+            used += len(batch[-1].ids)
+            i += 1
+        ids = torch.tensor([t for job in batch for t in job.ids], device=device)
+        positions = torch.cat([torch.arange(len(job.ids), device=device) for job in batch])
+        hidden = model(ids, positions, PackedAttention([len(job.ids) for job in batch]))
+        offsets, pair_idx, rows, targets = 0, [], [], []
+        for job in batch:
+            for pair, row, target in job.scores:
+                pair_idx.append(pair), rows.append(offsets + row), targets.append(target)
+            offsets += len(job.ids)
+        unique_rows, inverse = torch.tensor(rows, device=device).unique(return_inverse=True)
+        logprobs = torch.log_softmax(model.compute_logits(hidden[unique_rows]).float(), dim=-1)
+        picked = logprobs[inverse, torch.tensor(targets, device=device)].double().cpu()
+        totals.index_add_(0, torch.tensor(pair_idx), picked)
+        if on_progress is not None:
+            on_progress(len(batch))
+    return totals.tolist()
+
+
+def loglikelihoods(loaded, pairs: Sequence[tuple[str, str]], batch_tokens: int = DEFAULT_BATCH_TOKENS,
+                   on_progress: Callable[[int, int], None] | None = None) -> list[float]:
+    """log P(continuation | context) for each (context, continuation) pair of a LoadedModel, in order."""
+    if not pairs:
+        return []
+    jobs, _ = plan_jobs(loaded.tokenizer, pairs, loaded.config.max_position_embeddings)
+    done = [0]
+
+    def progress(n: int) -> None:
+        done[0] += n
+        if on_progress is not None:
+            on_progress(done[0], len(jobs))
+
+    return run_jobs(loaded.model, jobs, len(pairs), batch_tokens, progress)

@@ -1,0 +1,221 @@
+"""What `llmopt eval` runs: tasks, gates and task options, from built-in defaults, a recipe and flags.
+
+Precedence: a flag given on the command line > the recipe (`--recipe FILE`) > the
+defaults below. A recipe is JSON (or YAML) whose eval settings are either top-level or
+under an `"eval"` key (so a whole-workflow recipe can carry other sections); setting names
+are the flag names with `_` for `-` (`max_tokens_scored`, `mmlu_path`, ...). An unknown
+setting is an error, not silently ignored. Write gates as strings: YAML reads `+0.5` as
+the number 0.5 and drops the sign, which is the meaning.
+
+`DEFAULTS` is the default task set and gates, and recipes/default-gates.json is the same
+document written out for users to copy (a test keeps the two equal). Why these values:
+
+- Tasks ppl, kld, mmlu: what separates a good 4-bit model from a broken one on the default
+  model within the CI budget (< 10 minutes for baseline + candidate on 2 CPU cores, where
+  the 135M default model scores ~300 tokens/s). HumanEval is left out of the default set:
+  generating 164 programs of up to 384 tokens costs far more than the rest together on a
+  CPU, and a 135M model passes almost none of them, so it would gate on noise. Add it with
+  `--tasks ppl,kld,mmlu,humaneval` (on a GPU, or for a model that can code).
+- max_tokens_scored 4096 (context 512, stride 256: 8,192 tokens through each model): the
+  KLD mean is a mean over 4096 correlated positions, stable to a few percent; the cached
+  baseline rows are 4096 x vocab x 2 bytes (403 MB for a 49k vocabulary).
+- MMLU: the first 5 questions of each of the 57 subjects of the bundled subset (285
+  questions, ~31k context tokens): enough to catch a collapse (a broken model falls to
+  chance), not to resolve a 1-point drop; `--limit` raises it.
+- Gates: `ppl:+25%`, `kld.mean:0.25`, `mmlu.acc:-3.0` (and `humaneval.pass@1:-3.0` when
+  HumanEval runs). On the default model, 4-bit AWQ (group 64) measures KLD ~0.18 and
+  ppl +18% on this text and passes; plain RTN (~0.35) fails the KLD gate; a model with
+  group size -1 or noisy weights fails by a wide margin; the baseline against itself
+  passes with KLD exactly 0.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from llmopt.errors import LlmoptError
+
+TASKS = ("ppl", "kld", "mmlu", "humaneval")
+HUMANEVAL_MODES = ("completion", "chat")
+
+DEFAULTS: dict[str, Any] = {
+    "description": "llmopt's default quality gates (what `llmopt eval MODEL --baseline BASE` runs without "
+                   "--tasks/--gate/--recipe). Gates of tasks that do not run are skipped.",
+    "tasks": ["ppl", "kld", "mmlu"],
+    "gates": ["ppl:+25%", "kld.mean:0.25", "mmlu.acc:-3.0", "humaneval.pass@1:-3.0"],
+    "max_tokens_scored": 4096,
+    "ppl_context": 512,
+    "ppl_stride": 256,
+    "mmlu_limit": 5,
+    "humaneval_limit": None,
+}
+
+
+@dataclass
+class EvalSettings:
+    tasks: list[str] = field(default_factory=lambda: list(DEFAULTS["tasks"]))
+    gates: list[str] | None = None  # None: the default gates when there is a baseline
+    text: str | None = None  # None: the bundled text
+    ppl_context: int = 512
+    ppl_stride: int = 256
+    max_tokens_scored: int | None = 4096  # None: the whole text
+    mmlu_path: str | None = None  # None: the bundled subset
+    num_fewshot: int = 0
+    mmlu_limit: int | float | None = 5  # per subject; None: all
+    humaneval_limit: int | float | None = None  # first N problems (a fraction: of all); None: all 164
+    humaneval_mode: str = "completion"
+    humaneval_samples: int = 1  # 1: greedy; n > 1: sampled at `temperature`, seeds seed..seed+n-1
+    temperature: float = 0.8
+    top_p: float = 0.95
+    seed: int = 0
+    pass_k: list[int] = field(default_factory=lambda: [1])
+    humaneval_max_tokens: int = 384
+    timeout: float = 5.0  # sandbox seconds per program
+    # where settings came from, for the report
+    explicit_tasks: bool = False
+    gates_source: str = "default"  # "flag" | "recipe" | "default"
+
+
+SETTING_NAMES = {f.name for f in fields(EvalSettings)} - {"explicit_tasks", "gates_source"}
+RECIPE_ONLY = {"limit", "description", "name"}  # `limit` sets mmlu_limit and humaneval_limit
+
+
+def load_recipe(path: Path) -> dict[str, Any]:
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise LlmoptError(f"recipe {path} does not exist")
+    try:
+        text = path.read_text(encoding="utf-8")
+        if path.suffix.lower() in (".yaml", ".yml"):
+            import yaml
+
+            data = yaml.safe_load(text)
+        else:
+            data = json.loads(text)
+    except (OSError, UnicodeDecodeError) as exc:
+        raise LlmoptError(f"cannot read recipe {path}: {exc}") from None
+    except Exception as exc:  # json.JSONDecodeError, yaml.YAMLError
+        raise LlmoptError(f"recipe {path} is not valid {'YAML' if path.suffix in ('.yaml', '.yml') else 'JSON'}: "
+                          f"{str(exc).splitlines()[0]}") from None
+    if not isinstance(data, dict):
+        raise LlmoptError(f"recipe {path}: expected an object of settings, got {type(data).__name__}")
+    if "eval" in data:
+        data = data["eval"]
+        if not isinstance(data, dict):
+            raise LlmoptError(f"recipe {path}: 'eval' must be an object of settings")
+    unknown = sorted(set(data) - SETTING_NAMES - RECIPE_ONLY)
+    if unknown:
+        raise LlmoptError(f"recipe {path}: unknown setting(s) {', '.join(unknown)}; known: "
+                          f"{', '.join(sorted(SETTING_NAMES | {'limit'}))}")
+    return {k: v for k, v in data.items() if k not in ("description", "name")}
+
+
+def parse_tasks(value: str | list[str]) -> list[str]:
+    items = value.split(",") if isinstance(value, str) else list(value)
+    tasks = []
+    for item in items:
+        if not isinstance(item, str) or not item.strip():
+            raise LlmoptError(f"bad task list {value!r}: expected names from {', '.join(TASKS)}, comma-separated")
+        name = item.strip().lower()
+        if name not in TASKS:
+            raise LlmoptError(f"unknown task {item.strip()!r}; known tasks: {', '.join(TASKS)}")
+        if name not in tasks:
+            tasks.append(name)
+    return tasks
+
+
+def parse_limit(value: Any, what: str = "--limit") -> int | float | None:
+    """N (a count), a fraction in (0, 1), or 'all'/None."""
+    if value is None or (isinstance(value, str) and value.strip().lower() in ("all", "none")):
+        return None
+    if isinstance(value, bool):
+        raise LlmoptError(f"{what} must be a positive number or 'all', got {value!r}")
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise LlmoptError(f"{what} must be a positive number or 'all', got {value!r}") from None
+    if not math.isfinite(number) or number <= 0:
+        raise LlmoptError(f"{what} must be positive (a count, or a fraction below 1), got {value!r}")
+    if number >= 1:
+        if number != int(number):
+            raise LlmoptError(f"{what} must be a whole number of items or a fraction below 1, got {value!r}")
+        return int(number)
+    return number
+
+
+def parse_pass_k(value: str | list[int]) -> list[int]:
+    items = value.split(",") if isinstance(value, str) else list(value)
+    try:
+        ks = sorted({int(str(k).strip()) for k in items})
+    except ValueError:
+        raise LlmoptError(f"--pass-k must be comma-separated positive integers, got {value!r}") from None
+    if not ks or ks[0] < 1:
+        raise LlmoptError(f"--pass-k values must be >= 1, got {value!r}")
+    return ks
+
+
+def resolve_settings(flags: dict[str, Any], recipe: dict[str, Any] | None, has_baseline: bool) -> EvalSettings:
+    """Merge defaults, recipe and flags (None = not given) and check every value."""
+    merged: dict[str, Any] = {}
+    explicit_tasks = False
+    gates_source = "default"
+    builtin = {k: v for k, v in DEFAULTS.items() if k not in ("description", "tasks", "gates")}
+    for layer, name in ((builtin, "default"), (recipe or {}, "recipe"), (flags, "flag")):
+        for key, value in layer.items():
+            if value is None and name == "flag":
+                continue
+            if key == "limit":
+                merged["mmlu_limit"] = merged["humaneval_limit"] = value
+            else:
+                merged[key] = value
+            if key == "tasks" and name != "default":
+                explicit_tasks = True
+            if key == "gates" and name != "default":
+                gates_source = name
+    s = EvalSettings(explicit_tasks=explicit_tasks, gates_source=gates_source)
+    for key, value in merged.items():
+        setattr(s, key, value)
+
+    s.tasks = parse_tasks(s.tasks)
+    if not explicit_tasks and not has_baseline:
+        s.tasks = [t for t in s.tasks if t != "kld"]  # the default set, minus what needs a baseline
+    if "kld" in s.tasks and not has_baseline:
+        raise LlmoptError("task kld compares the model with a baseline: pass --baseline MODEL (e.g. the unquantized model)")
+    if s.gates is not None and not isinstance(s.gates, (str, list)):
+        raise LlmoptError(f"gates must be a string or a list of strings, got {type(s.gates).__name__}")
+    s.mmlu_limit = parse_limit(s.mmlu_limit, "--limit (MMLU questions per subject)")
+    s.humaneval_limit = parse_limit(s.humaneval_limit, "--limit (HumanEval problems)")
+    s.pass_k = parse_pass_k(s.pass_k)
+    _check_int(s, "ppl_context", 2)
+    _check_int(s, "ppl_stride", 1)
+    if s.ppl_stride > s.ppl_context:
+        raise LlmoptError(f"--ppl-stride ({s.ppl_stride}) must not exceed --ppl-context ({s.ppl_context})")
+    if s.max_tokens_scored is not None:
+        _check_int(s, "max_tokens_scored", 1)
+    _check_int(s, "num_fewshot", 0)
+    _check_int(s, "humaneval_samples", 1)
+    _check_int(s, "humaneval_max_tokens", 1)
+    _check_int(s, "seed", 0)
+    if s.humaneval_mode not in HUMANEVAL_MODES:
+        raise LlmoptError(f"--humaneval-mode must be one of {', '.join(HUMANEVAL_MODES)}, got {s.humaneval_mode!r}")
+    if max(s.pass_k) > s.humaneval_samples and "humaneval" in s.tasks:
+        raise LlmoptError(f"pass@{max(s.pass_k)} needs at least {max(s.pass_k)} samples per problem; "
+                          f"raise --humaneval-samples (now {s.humaneval_samples})")
+    if not isinstance(s.temperature, (int, float)) or s.temperature < 0:
+        raise LlmoptError(f"--temperature must be >= 0, got {s.temperature!r}")
+    if s.humaneval_samples > 1 and s.temperature == 0:
+        raise LlmoptError("--humaneval-samples > 1 needs --temperature > 0 (greedy samples would all be the same)")
+    if not isinstance(s.timeout, (int, float)) or not s.timeout > 0:
+        raise LlmoptError(f"--timeout must be positive, got {s.timeout!r}")
+    return s
+
+
+def _check_int(s: EvalSettings, name: str, minimum: int) -> None:
+    value = getattr(s, name)
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        flag = "--" + name.replace("_", "-")
+        raise LlmoptError(f"{flag} must be an integer >= {minimum}, got {value!r}")

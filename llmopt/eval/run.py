@@ -1,0 +1,217 @@
+"""`llmopt eval` end to end: check the request, load the data, run baseline then candidate, judge the gates.
+
+Everything that can be wrong with the input (tasks, limits, gates, data files, model
+specs, a tokenizer mismatch for ppl/kld) is checked before any model runs, so a typo costs
+seconds, not a baseline pass. Then the baseline runs (mostly from its cache), then the
+candidate; each model is freed before the next loads.
+
+Gates compare the two models on the same items (`metric_samples`): per-token NLL for
+perplexity, per-position KLD (candidate only: KLD is already a comparison), per-question
+0/1 for MMLU, per-problem pass@k for HumanEval.
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from llmopt.core.source import ModelSource, resolve
+from llmopt.errors import LlmoptError
+from llmopt.eval import stats
+from llmopt.eval.gates import ABSOLUTE, Gate, GateResult, MetricSamples, evaluate_gates, exit_code, parse_gates
+from llmopt.eval.recipe import DEFAULTS, EvalSettings
+from llmopt.eval.tasks import BASELINE, CANDIDATE, EvalData, ModelRun, RunOptions, limit_count, run_model
+from llmopt.eval.text import load_text, tokenize
+
+log = logging.getLogger("llmopt.eval")
+
+
+@dataclass
+class EvalRequest:
+    model: str
+    baseline: str | None
+    settings: EvalSettings
+    options: RunOptions = field(default_factory=RunOptions)
+
+
+@dataclass
+class EvalReport:
+    request: EvalRequest
+    data: EvalData
+    candidate: ModelRun
+    baseline: ModelRun | None
+    gates: list[GateResult]
+    skipped_gates: list[str]
+    intervals: dict[str, stats.Interval]  # metric -> CI of its change (paired) or of its value
+    seconds: float
+
+    @property
+    def exit_code(self) -> int:
+        return exit_code(self.gates)
+
+
+# ---------------------------------------------------------------------------- checks
+
+
+def resolve_gates(s: EvalSettings, has_baseline: bool) -> tuple[list[Gate], list[str]]:
+    """The gates to judge and those skipped (recipe/default gates of tasks that do not run)."""
+    if s.gates is None:
+        if not has_baseline:
+            return [], []
+        specs, strict = DEFAULTS["gates"], False
+    elif isinstance(s.gates, str) and s.gates.strip().lower() == "none" or s.gates == []:
+        return [], []
+    else:
+        specs, strict = s.gates, s.gates_source == "flag"
+    gates, skipped = [], []
+    for gate in parse_gates(specs):
+        task = gate.metric.partition(".")[0]
+        if task not in s.tasks:
+            if strict:
+                raise LlmoptError(f"gate {gate.text} needs task {task}, which is not in --tasks ({','.join(s.tasks)})")
+            skipped.append(gate.text)
+            continue
+        if gate.kind != ABSOLUTE and not has_baseline:
+            raise LlmoptError(f"gate {gate.text} compares with a baseline: pass --baseline MODEL, or give an absolute "
+                              f"threshold such as {gate.metric}:{'>=' if gate.info.higher_is_better else '<='}VALUE")
+        if task == "humaneval":
+            k = int(gate.metric.partition("@")[2])
+            if k not in s.pass_k:
+                raise LlmoptError(f"gate {gate.text}: pass@{k} is not computed; add {k} to --pass-k "
+                                  f"(with --humaneval-samples >= {k})")
+        gates.append(gate)
+    return gates, skipped
+
+
+def _tokenizer_of(source: ModelSource):
+    if source.kind == "gguf":
+        from llmopt.core.gguf_file import read_gguf_tokenizer
+
+        return read_gguf_tokenizer(source.path)
+    from llmopt.core.tokenizer import Tokenizer
+
+    return Tokenizer.from_dir(source.path)
+
+
+def check_same_tokenizer(cand: ModelSource, base: ModelSource, cand_tok, base_tok, text_ids: list[int],
+                         base_ids: list[int], tasks: list[str]) -> None:
+    """ppl and kld compare the models token by token: they need the same vocabulary and tokenization."""
+    which = "/".join(t for t in tasks if t in ("ppl", "kld"))
+    why = (f"cannot compare {cand.spec} with baseline {base.spec} on {which}: "
+           "KL divergence compares the two next-token distributions position by position and paired perplexity "
+           "compares per-token losses, so both models must share one tokenizer")
+    fix = "; gate this pair on mmlu/humaneval instead (--tasks mmlu,humaneval)"
+    if cand.config.vocab_size != base.config.vocab_size:
+        raise LlmoptError(f"{why}, but their vocabularies have {cand.config.vocab_size} and "
+                          f"{base.config.vocab_size} entries{fix}")
+    if cand_tok.backend.get_vocab(with_added_tokens=True) != base_tok.backend.get_vocab(with_added_tokens=True):
+        raise LlmoptError(f"{why}, but their vocabularies map tokens to different ids{fix}")
+    if text_ids != base_ids:
+        at = next((i for i, (a, b) in enumerate(zip(text_ids, base_ids)) if a != b), min(len(text_ids), len(base_ids)))
+        raise LlmoptError(f"{why}, but they encode the evaluation text differently (first difference at token {at}){fix}")
+
+
+def load_data(s: EvalSettings, tokenizer) -> EvalData:
+    data = EvalData()
+    if "ppl" in s.tasks or "kld" in s.tasks:
+        data.text = load_text(s.text)
+        data.ids = tokenize(tokenizer, data.text, s.max_tokens_scored)
+        if len(data.ids) < 2:
+            raise LlmoptError("the evaluation text is too short")
+    if "mmlu" in s.tasks:
+        from llmopt.eval.mmlu import apply_limit, build_requests, load_mmlu
+
+        questions = load_mmlu(s.mmlu_path)
+        data.mmlu_total = len(questions)
+        data.mmlu = apply_limit(questions, s.mmlu_limit)
+        data.mmlu_dev = load_mmlu(s.mmlu_path, split="dev") if s.num_fewshot > 0 else None
+        build_requests(data.mmlu, s.num_fewshot, data.mmlu_dev)  # few-shot errors now, not after the baseline
+    if "humaneval" in s.tasks:
+        from llmopt.eval.humaneval import load_problems
+
+        problems = load_problems()
+        data.problems_total = len(problems)
+        data.problems = problems[:limit_count(len(problems), s.humaneval_limit)]
+    return data
+
+
+# ---------------------------------------------------------------------------- gates
+
+
+def metric_samples(metric: str, cand: ModelRun, base: ModelRun | None) -> MetricSamples:
+    """Per-item values of `metric` (canonical name) for both models, paired by item."""
+    task, _, leaf = metric.partition(".")
+    if task == "ppl":
+        return MetricSamples(cand.text.nll, base.text.nll if base else None, transform=np.exp if leaf == "ppl" else None)
+    if task == "kld":
+        k = cand.text.kld
+        if leaf == "same_top_p":
+            return MetricSamples(np.asarray(k.same_top, dtype=np.float64))
+        values = np.asarray(k.per_position, dtype=np.float64)
+        if leaf == "mean":
+            return MetricSamples(values)
+        return MetricSamples(values, quantile={"median": 0.5, "max": 1.0}.get(leaf) or float(leaf[1:]) / 100)
+    if task == "mmlu":
+        return MetricSamples(np.asarray(cand.mmlu.correct, float), np.asarray(base.mmlu.correct, float) if base else None)
+    if task == "humaneval":
+        k = int(leaf.partition("@")[2])
+        return MetricSamples(np.asarray(cand.humaneval.per_problem(k)),
+                             np.asarray(base.humaneval.per_problem(k)) if base else None)
+    raise LlmoptError(f"no samples for metric {metric}")
+
+
+def shown_metrics(tasks: list[str], pass_k: list[int]) -> list[str]:
+    """The metrics of the report table, in order."""
+    out = []
+    for task in tasks:
+        out += {"ppl": ["ppl.ppl"], "kld": ["kld.mean", "kld.p99", "kld.same_top_p"], "mmlu": ["mmlu.acc"],
+                "humaneval": [f"humaneval.pass@{k}" for k in pass_k]}[task]
+    return out
+
+
+def metric_interval(metric: str, samples: MetricSamples) -> stats.Interval:
+    """95% CI of the change vs the baseline (relative for ppl), or of the value when there is no baseline."""
+    if samples.quantile is not None:
+        return stats.quantile_ci(samples.candidate, samples.quantile)
+    if samples.baseline is None:
+        return stats.bootstrap_ci(samples.candidate, samples.transform)
+    return stats.paired_bootstrap_ci(samples.baseline, samples.candidate, samples.transform,
+                                     relative=metric == "ppl.ppl")
+
+
+# ---------------------------------------------------------------------------- the run
+
+
+def run_eval(request: EvalRequest) -> EvalReport:
+    start = time.perf_counter()
+    s, options = request.settings, request.options
+    gates, skipped = resolve_gates(s, request.baseline is not None)
+    for text in skipped:
+        log.debug("gate %s skipped: its task is not in --tasks", text)
+    cand_source = resolve(request.model)
+    base_source = resolve(request.baseline) if request.baseline is not None else None
+    cand_tok = _tokenizer_of(cand_source)
+    data = load_data(s, cand_tok)
+    if base_source is not None and data.ids is not None:
+        base_tok = _tokenizer_of(base_source)
+        base_ids = tokenize(base_tok, data.text, s.max_tokens_scored).tolist()
+        check_same_tokenizer(cand_source, base_source, cand_tok, base_tok, data.ids.tolist(), base_ids, s.tasks)
+
+    with tempfile.TemporaryDirectory(prefix="llmopt-eval-") as scratch:
+        options.scratch = Path(scratch)
+        base = None
+        if base_source is not None:
+            base = run_model(BASELINE, base_source, s.tasks, data, s, options)
+        cand = run_model(CANDIDATE, cand_source, s.tasks, data, s, options, base=base)
+        if base is not None:
+            base.rows = None  # the memmap must close before its scratch folder goes
+
+    samples = {m: metric_samples(m, cand, base) for m in {g.metric for g in gates} | set(shown_metrics(s.tasks, s.pass_k))}
+    results = evaluate_gates(gates, {m: samples[m] for m in {g.metric for g in gates}})
+    intervals = {metric: metric_interval(metric, smp) for metric, smp in samples.items()}
+    return EvalReport(request, data, cand, base, results, skipped, intervals, time.perf_counter() - start)

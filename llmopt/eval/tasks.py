@@ -1,0 +1,323 @@
+"""Running the tasks on one model: perplexity + KLD in one text pass, MMLU, HumanEval.
+
+`run_model` does a model's share of the work. The model is loaded only when some task
+misses the cache, and freed before the next model loads (two 7B models need not fit at
+once). For the baseline, every task first looks in the baseline cache (`cache.py`) and
+stores what it computes; the candidate is always computed.
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import json
+import logging
+import math
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from llmopt.core.source import ModelSource
+from llmopt.errors import LlmoptError
+from llmopt.eval import cache
+from llmopt.eval.humaneval import STOP_SEQUENCES, HumanEvalResult, Problem, ProblemResult, SampleResult, chat_messages, score
+from llmopt.eval.loglikelihood import loglikelihoods
+from llmopt.eval.mmlu import MMLUQuestion, MMLUResult, evaluate_mmlu
+from llmopt.eval.recipe import EvalSettings
+from llmopt.eval.text import EvalText
+from llmopt.eval.textscore import ROW_DTYPE, TextScores, count_scored, score_text
+from llmopt.eval.windows import plan_windows
+
+log = logging.getLogger("llmopt.eval")
+
+BASELINE, CANDIDATE = "baseline", "candidate"
+
+
+@dataclass
+class EvalData:
+    """The items both models are scored on, loaded once."""
+
+    text: EvalText | None = None
+    ids: torch.Tensor | None = None  # the text's token ids (both models share the tokenizer)
+    mmlu: list[MMLUQuestion] | None = None  # after --limit
+    mmlu_dev: list[MMLUQuestion] | None = None
+    mmlu_total: int = 0  # before --limit
+    problems: list[Problem] | None = None  # after --limit
+    problems_total: int = 0
+
+
+@dataclass
+class ModelRun:
+    """What one model produced."""
+
+    role: str
+    spec: str
+    source: ModelSource
+    text: TextScores | None = None
+    rows: np.ndarray | None = field(default=None, repr=False)  # baseline: float16 log-prob rows (memmap)
+    mmlu: MMLUResult | None = None
+    mmlu_loglikelihoods: list[list[float]] | None = None
+    humaneval: HumanEvalResult | None = None
+    completions: dict[str, list[str]] | None = None
+    seconds: dict[str, float] = field(default_factory=dict)
+    cache: dict[str, str] = field(default_factory=dict)  # task -> hit | miss (stored) | off
+
+
+@dataclass
+class RunOptions:
+    dtype: str = "auto"
+    device: str = "cpu"
+    engine: dict[str, Any] = field(default_factory=dict)  # EngineConfig fields for HumanEval generation
+    use_cache: bool = True
+    scratch: Path | None = None  # where baseline rows go when the cache is off
+
+
+class _LazyModel:
+    """Loads the model on first use, so a baseline served from the cache is never loaded."""
+
+    def __init__(self, source: ModelSource, options: RunOptions, run: ModelRun):
+        self.source, self.options, self.run, self.loaded = source, options, run, None
+
+    def __call__(self):
+        if self.loaded is None:
+            from llmopt.core import load
+
+            start = time.perf_counter()
+            self.loaded = load(self.source, dtype=self.options.dtype, device=self.options.device)
+            self.run.seconds["load"] = round(time.perf_counter() - start, 2)
+            log.info("%s %s loaded in %.1f s", self.run.role, self.source.spec, self.run.seconds["load"])
+        return self.loaded
+
+    def free(self) -> None:
+        self.loaded = None
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def run_model(role: str, source: ModelSource, tasks: list[str], data: EvalData, settings: EvalSettings,
+              options: RunOptions, base: ModelRun | None = None) -> ModelRun:
+    run = ModelRun(role=role, spec=source.spec, source=source)
+    model = _LazyModel(source, options, run)
+    identity = cache.model_identity(source, options.dtype, options.device)
+    cached = role == BASELINE and options.use_cache
+    try:
+        if "ppl" in tasks or "kld" in tasks:
+            _timed(run, "ppl+kld" if "kld" in tasks else "ppl",
+                   lambda: _text_task(run, model, identity, tasks, data, settings, options, base, cached))
+        if "mmlu" in tasks:
+            _timed(run, "mmlu", lambda: _mmlu_task(run, model, identity, data, settings, cached))
+        if "humaneval" in tasks:
+            _timed(run, "humaneval", lambda: _humaneval_task(run, model, identity, data, settings, options, cached))
+    finally:
+        model.free()
+    return run
+
+
+def _timed(run: ModelRun, name: str, fn) -> None:
+    start = time.perf_counter()
+    fn()
+    run.seconds[name] = round(time.perf_counter() - start, 2)
+
+
+def _note_cache(run: ModelRun, task: str, status: str, where: Path | None = None) -> None:
+    run.cache[task] = status
+    if status == "hit":
+        log.info("%s %s: from the baseline cache (%s)", run.role, task, where)
+
+
+# ---------------------------------------------------------------------------- ppl + kld
+
+
+def _text_task(run, model, identity, tasks, data: EvalData, s: EvalSettings, options: RunOptions,
+               base: ModelRun | None, cached: bool) -> None:
+    name = "ppl+kld" if "kld" in tasks else "ppl"
+    ids = data.ids
+    if run.role == BASELINE:
+        key = cache.make_key("text", identity, data.text.sha256, s.max_tokens_scored, s.ppl_context, s.ppl_stride)
+        names = ("nll", "ids") + (("logprobs",) if "kld" in tasks else ())
+        hit = cache.read_arrays(key, names) if cached else None
+        if hit is not None and np.array_equal(hit[1]["ids"], ids.numpy()):
+            run.text = TextScores(nll=np.asarray(hit[1]["nll"], dtype=np.float64))
+            run.rows = hit[1].get("logprobs")
+            _note_cache(run, name, "hit", cache.array_dir(key))
+            return
+        _note_cache(run, name, "miss" if cached else "off")
+        n = count_scored(len(ids), s.ppl_context, s.ppl_stride)
+        vocab = model().config.vocab_size
+        if "kld" in tasks:
+            log.info("baseline: storing %d x %d float16 log-prob rows (%.0f MB) for KLD", n, vocab, n * vocab * 2 / 1e6)
+        folder_cm = cache.new_entry(key) if cached else _scratch_entry(options.scratch, key)
+        with folder_cm as folder:
+            rows = (np.lib.format.open_memmap(folder / "logprobs.npy", mode="w+", dtype=ROW_DTYPE, shape=(n, vocab))
+                    if "kld" in tasks else None)
+            run.text = _score(run, model, ids, s, rows_out=rows)
+            if rows is not None:
+                rows.flush()
+                del rows
+            np.save(folder / "nll.npy", run.text.nll)
+            np.save(folder / "ids.npy", ids.numpy())
+            (folder / "meta.json").write_text(json.dumps({"spec": run.spec, "identity": identity, "vocab": vocab}))
+        final = cache.array_dir(key) if cached else options.scratch / key
+        if "kld" in tasks:
+            run.rows = np.load(final / "logprobs.npy", mmap_mode="r")
+        return
+    if "kld" in tasks:
+        if base is None or base.rows is None:
+            raise RuntimeError("KLD needs the baseline's rows")
+        if base.rows.shape[1] != model().config.vocab_size:
+            raise LlmoptError(f"cannot compare token distributions: the baseline's vocabulary has {base.rows.shape[1]} "
+                              f"tokens, the candidate's {model().config.vocab_size}")
+        run.text = _score(run, model, ids, s, base_rows=base.rows, base_nll=base.text.nll)
+    else:
+        run.text = _score(run, model, ids, s)
+
+
+def _score(run: ModelRun, model, ids, s: EvalSettings, **kw) -> TextScores:
+    loaded = model()
+    start = time.perf_counter()
+    result = score_text(loaded.model, ids, s.ppl_context, s.ppl_stride, **kw)
+    dt = time.perf_counter() - start
+    forwarded = sum(w.end - w.start for w in plan_windows(len(ids), s.ppl_context, s.ppl_stride))
+    log.info("%s text: %d tokens scored in %.1f s (%d through the model: %.0f tokens/s)", run.role, result.num_tokens,
+             dt, forwarded, forwarded / dt if dt > 0 else 0)
+    return result
+
+
+@contextmanager
+def _scratch_entry(scratch: Path, key: str):
+    """Like cache.new_entry, in the run's scratch folder (the cache is off)."""
+    folder = scratch / key
+    folder.mkdir(parents=True, exist_ok=True)
+    yield folder
+
+
+# ---------------------------------------------------------------------------- mmlu
+
+
+def _mmlu_task(run, model, identity, data: EvalData, s: EvalSettings, cached: bool) -> None:
+    def loglikelihood_fn(pairs: list[tuple[str, str]]) -> list[float]:
+        key = cache.make_key("mmlu", identity, _sha(pairs))
+        hit = cache.read_json(key) if cached else None
+        if hit is not None and len(hit.get("loglikelihoods", [])) == len(pairs):
+            _note_cache(run, "mmlu", "hit", cache.cache_dir() / f"{key}.json")
+            run.mmlu_loglikelihoods = _rows_of_four(hit["loglikelihoods"])
+            return hit["loglikelihoods"]
+        _note_cache(run, "mmlu", "miss" if cached else "off")
+        start = time.perf_counter()
+        values = loglikelihoods(model(), pairs)
+        log.info("%s mmlu: %d questions scored in %.1f s", run.role, len(pairs) // 4, time.perf_counter() - start)
+        if cached:
+            cache.write_json(key, {"spec": run.spec, "loglikelihoods": values})
+        run.mmlu_loglikelihoods = _rows_of_four(values)
+        return values
+
+    run.mmlu = evaluate_mmlu(data.mmlu, loglikelihood_fn, num_fewshot=s.num_fewshot, dev=data.mmlu_dev)
+
+
+# ---------------------------------------------------------------------------- humaneval
+
+
+def _humaneval_task(run, model, identity, data: EvalData, s: EvalSettings, options: RunOptions, cached: bool) -> None:
+    problems = data.problems
+    config = {k: getattr(s, k) for k in ("humaneval_mode", "humaneval_samples", "humaneval_max_tokens", "seed", "timeout")}
+    if s.humaneval_samples > 1:
+        config.update(temperature=s.temperature, top_p=s.top_p)
+    key = cache.make_key("humaneval", identity, _sha([(p.task_id, p.prompt, p.test) for p in problems]), config,
+                         options.engine.get("max_model_len"))
+    hit = cache.read_json(key) if cached else None
+    if hit is not None and set(hit.get("completions", {})) == {p.task_id for p in problems}:
+        _note_cache(run, "humaneval", "hit", cache.cache_dir() / f"{key}.json")
+        run.completions = hit["completions"]
+        per_problem = [ProblemResult(p.task_id, [SampleResult(p.task_id, i, *sample)
+                                                 for i, sample in enumerate(hit["samples"][p.task_id])])
+                       for p in problems]
+        run.humaneval = HumanEvalResult(per_problem, {k: sum(x.pass_at(k) for x in per_problem) / len(per_problem)
+                                                      for k in s.pass_k})
+        return
+    _note_cache(run, "humaneval", "miss" if cached else "off")
+    run.completions = generate_completions(model(), problems, s, options.engine, run.role)
+    start = time.perf_counter()
+    run.humaneval = score(problems, run.completions, mode=s.humaneval_mode, ks=s.pass_k, timeout_s=s.timeout)
+    counts = run.humaneval.status_counts()
+    log.info("%s humaneval: %d programs run in the sandbox in %.1f s (%s)", run.role, sum(counts.values()),
+             time.perf_counter() - start, ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
+    if cached:
+        samples = {p.task_id: [[x.status, x.detail, x.wall_s] for x in p.samples] for p in run.humaneval.problems}
+        cache.write_json(key, {"spec": run.spec, "completions": run.completions, "samples": samples})
+
+
+def generate_completions(loaded, problems: list[Problem], s: EvalSettings, engine: dict[str, Any],
+                         role: str) -> dict[str, list[str]]:
+    """n samples per problem through the paged runtime, all problems in one continuously batched run.
+
+    A prompt that cannot run (longer than the model's context, bigger than the KV pool) gets
+    an empty completion, which fails its tests: logged, and the run goes on.
+    """
+    from llmopt.runtime import LLM, SamplingParams
+
+    if s.humaneval_mode == "chat" and not loaded.tokenizer.is_chat:
+        raise LlmoptError(f"--humaneval-mode chat needs a chat template and {loaded.source.spec} has none; "
+                          "use --humaneval-mode completion")
+    llm = LLM(loaded, **engine)
+    prompts, params, owners = [], [], []
+    for p in problems:
+        prompt = p.prompt if s.humaneval_mode == "completion" else {"messages": chat_messages(p)}
+        _, ids = llm.engine.tokenize_prompt(prompt)
+        room = llm.engine.max_model_len - len(ids)
+        for i in range(s.humaneval_samples):
+            owners.append(p.task_id)
+            if room < 1:
+                prompts.append(None), params.append(None)
+                continue
+            sampled = s.humaneval_samples > 1
+            params.append(SamplingParams(
+                max_tokens=min(s.humaneval_max_tokens, room),
+                temperature=s.temperature if sampled else 0.0,
+                top_p=s.top_p if sampled else 1.0,
+                seed=s.seed + i,
+                stop=list(STOP_SEQUENCES) if s.humaneval_mode == "completion" else None,
+            ))
+            prompts.append(ids)
+    runnable = [i for i, p in enumerate(prompts) if p is not None]
+    start = time.perf_counter()
+    outputs = llm.generate([prompts[i] for i in runnable], [params[i] for i in runnable]) if runnable else []
+    texts = [""] * len(prompts)
+    generated = 0
+    for i, out in zip(runnable, outputs):
+        if out.error:
+            log.warning("%s humaneval %s: not generated (%s); scored as failed", role, owners[i], out.error)
+            continue
+        texts[i] = out.outputs[0].text
+        generated += len(out.outputs[0].token_ids)
+    for i, p in enumerate(prompts):
+        if p is None:
+            log.warning("%s humaneval %s: the prompt fills the model's context (%d tokens); scored as failed",
+                        role, owners[i], llm.engine.max_model_len)
+    dt = time.perf_counter() - start
+    log.info("%s humaneval: %d samples, %d tokens generated in %.1f s (%.0f tokens/s)", role, len(prompts), generated,
+             dt, generated / dt if dt > 0 else 0)
+    completions: dict[str, list[str]] = {p.task_id: [] for p in problems}
+    for owner, text in zip(owners, texts):
+        completions[owner].append(text)
+    return completions
+
+
+def _rows_of_four(flat: list[float]) -> list[list[float]]:
+    return [flat[i:i + 4] for i in range(0, len(flat), 4)]
+
+
+def limit_count(n: int, limit: int | float | None) -> int:
+    if limit is None:
+        return n
+    return min(n, math.ceil(n * limit) if isinstance(limit, float) else int(limit))
+
+
+def _sha(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, ensure_ascii=False).encode("utf-8")).hexdigest()
+

@@ -1,0 +1,70 @@
+"""int4 linear layers on PyTorch's CPU int4 kernel (`_weight_int4pack_mm_for_cpu`).
+
+AWQ / GPTQ checkpoints are unpacked by the core into codes + per-group scales and zero
+points; this module repacks them once, at load, into the kernel's own layout. The
+kernel computes w = (code - 8) * scale + offset per group, so our zero points become
+offset = (8 - zero) * scale. It needs groups of 32/64/128/256 contiguous input columns:
+act-order checkpoints (a permuted g_idx) are handled by permuting the input columns
+once per call, and per-channel (-1) grids by repeating the scale over 64-column groups.
+
+Measured on the 2-core CPU here, the kernel is slow with fp32 activations and close to
+fp32 GEMM with bf16 ones, so the loader uses it for bf16/fp16 models only; fp32 models
+keep dequantized dense weights (see llmopt/core/loader.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from llmopt.model.linear import LinearBase
+from llmopt.quant.quantizer import QuantizedWeight
+
+KERNEL_GROUP_SIZES = (32, 64, 128, 256)
+
+
+class Int4Linear(LinearBase):
+    def __init__(self, packed: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int,
+                 in_features: int, out_features: int, bias: torch.Tensor | None, perm: torch.Tensor | None):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.group_size = group_size
+        self.register_buffer("packed", packed)
+        self.register_buffer("scales_and_zeros", scales_and_zeros)
+        self.register_buffer("perm", perm)
+        self.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        if self.perm is not None:
+            flat = flat.index_select(1, self.perm)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            flat.to(self.scales_and_zeros.dtype).contiguous(), self.packed, self.group_size, self.scales_and_zeros)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+
+def int4_linear(q: QuantizedWeight, bias: torch.Tensor | None, dtype: torch.dtype) -> Int4Linear | None:
+    """The kernel layer for `q`, or None when the kernel cannot take it (caller keeps dense weights)."""
+    out_features, in_features = q.codes.shape
+    groups = q.scales.shape[1]
+    codes, scales, zeros, perm = q.codes, q.scales, q.zeros.float(), None
+    if not q.is_sequential():
+        perm = torch.argsort(q.g_idx.long(), stable=True)
+        if not torch.equal(torch.bincount(q.g_idx.long(), minlength=groups), torch.full((groups,), in_features // groups)):
+            return None  # uneven groups cannot be made contiguous
+        codes = codes[:, perm]
+    width = in_features // groups
+    if width not in KERNEL_GROUP_SIZES:
+        if groups == 1 and in_features % 64 == 0:  # per-channel grid: the same scale repeated per 64 columns
+            repeat = in_features // 64
+            scales, zeros, width = scales.repeat(1, repeat), zeros.repeat(1, repeat), 64
+        else:
+            return None
+    try:
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 2)
+    except RuntimeError:
+        return None
+    scales_and_zeros = torch.stack([scales.t(), ((8 - zeros) * scales).t()], dim=-1).to(dtype).contiguous()
+    return Int4Linear(packed, scales_and_zeros, width, in_features, out_features,
+                      None if bias is None else bias.to(dtype), perm)

@@ -1,0 +1,1 @@
+"""`llmopt quantize`: RTN, AWQ and GPTQ (int4, layer by layer) and GGUF export."""

@@ -1,0 +1,147 @@
+"""Calibration data: `--calib` -> token windows [num_samples, seq_len], deterministic per seed.
+
+Sources:
+- `self` (the offline default): data-free self-calibration. The model writes its own
+  samples, starting from its chat template and a handful of seed topics, sampled at
+  temperature 1 (LLM-QAT's observation: a model's own generations cover its activation
+  ranges about as well as generic web text, and they need no download).
+- a local `.txt` (one document), `.jsonl` (a `text` field per line) or `.parquet` (a
+  `text` column) file;
+- `hf:NAME[:CONFIG][:SPLIT]`: a Hugging Face dataset with a `text` column, where the hub
+  is reachable.
+
+Documents are tokenized, joined with the EOS token into one stream, cut into windows of
+`seq_len` tokens, and `num_samples` windows are drawn at random with `seed`.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from llmopt.errors import LlmoptError
+
+SELF_CALIBRATION_TOPICS = (
+    "Explain how photosynthesis works.", "Write a short story about a lighthouse keeper.",
+    "Summarise the causes of the French Revolution.", "Write a Python function that merges two sorted lists.",
+    "What are the health benefits of regular exercise?", "Describe the water cycle to a child.",
+    "Compare TCP and UDP.", "Give a recipe for a vegetable soup.", "How does a bill become law?",
+    "Write a poem about autumn.", "Explain Newton's laws of motion.", "What is a neural network?",
+    "Describe the history of the printing press.", "How do vaccines work?",
+    "Solve: a train travels 120 km in 1.5 hours. What is its speed?", "List tips for a job interview.",
+)
+
+
+@dataclass
+class CalibrationData:
+    input_ids: torch.Tensor  # [num_samples, seq_len] int64
+    source: str  # what --calib said, for the report
+    num_documents: int
+    num_tokens_available: int
+
+
+def load_calibration(spec: str, model, num_samples: int, seq_len: int, seed: int) -> CalibrationData:
+    """`model` is a LoadedModel (its tokenizer, and its decoder for self-calibration)."""
+    if num_samples <= 0 or seq_len <= 0:
+        raise LlmoptError(f"--num-samples and --seq-len must be positive (got {num_samples} and {seq_len})")
+    if seq_len > model.config.max_position_embeddings:
+        raise LlmoptError(f"--seq-len {seq_len} exceeds the model's context ({model.config.max_position_embeddings})")
+    if spec == "self":
+        docs = _self_generated(model, num_samples, seq_len, seed)
+    elif spec.startswith("hf:"):
+        docs = _hub_texts(spec)
+    else:
+        docs = _file_texts(Path(spec).expanduser())
+    if not any(d.strip() for d in docs):
+        raise LlmoptError(f"calibration data {spec!r} is empty")
+    tok = model.tokenizer
+    eos = (tok.eos_token_ids or [0])[0]
+    stream: list[int] = []
+    for doc in docs:
+        stream.extend(tok.encode(doc, add_special_tokens=False))
+        stream.append(eos)
+    windows = len(stream) // seq_len
+    if windows < num_samples:
+        raise LlmoptError(
+            f"calibration data {spec!r} is too short: {len(stream)} tokens make {windows} windows of {seq_len}, "
+            f"need {num_samples} (lower --num-samples or --seq-len, or give more text)"
+        )
+    picks = sorted(random.Random(seed).sample(range(windows), num_samples))
+    ids = torch.tensor([stream[i * seq_len:(i + 1) * seq_len] for i in picks], dtype=torch.long)
+    return CalibrationData(input_ids=ids, source=spec, num_documents=len(docs), num_tokens_available=len(stream))
+
+
+def _file_texts(path: Path) -> list[str]:
+    if not path.exists():
+        raise LlmoptError(f"calibration file {path} does not exist")
+    suffix = "".join(path.suffixes[-2:]) if path.name.endswith(".gz") else path.suffix
+    try:
+        if suffix == ".txt":
+            return [path.read_text(encoding="utf-8")]
+        if suffix in (".jsonl", ".jsonl.gz"):
+            import gzip
+
+            opener = gzip.open if suffix.endswith(".gz") else open
+            texts = []
+            with opener(path, "rt", encoding="utf-8") as f:
+                for n, line in enumerate(f, 1):
+                    if line.strip():
+                        texts.append(_text_of(json.loads(line), f"{path}:{n}"))
+            return texts
+        if suffix == ".parquet":
+            import pyarrow.parquet as pq
+
+            table = pq.read_table(path)
+            if "text" not in table.column_names:
+                raise LlmoptError(f"{path} has no 'text' column (columns: {', '.join(table.column_names)})")
+            return [t for t in table.column("text").to_pylist() if isinstance(t, str)]
+    except (UnicodeDecodeError, json.JSONDecodeError, OSError) as exc:
+        raise LlmoptError(f"cannot read calibration file {path}: {exc}") from None
+    raise LlmoptError(f"calibration file {path}: unsupported type {suffix or '(none)'}; use .txt, .jsonl or .parquet")
+
+
+def _text_of(record, where: str) -> str:
+    if isinstance(record, str):
+        return record
+    if isinstance(record, dict) and isinstance(record.get("text"), str):
+        return record["text"]
+    raise LlmoptError(f"{where}: expected a JSON string or an object with a 'text' string")
+
+
+def _hub_texts(spec: str) -> list[str]:
+    parts = spec[3:].split(":")
+    if not parts[0] or len(parts) > 3:
+        raise LlmoptError(f"bad calibration spec {spec!r}; expected hf:NAME[:CONFIG][:SPLIT]")
+    name, config, split = parts[0], (parts[1] if len(parts) > 1 and parts[1] else None), (parts[2] if len(parts) > 2 else "train")
+    try:
+        from datasets import load_dataset
+
+        ds = load_dataset(name, config, split=split)
+    except Exception as exc:  # offline, missing dataset, bad config: all explained the same way
+        raise LlmoptError(
+            f"cannot load calibration dataset {spec!r} ({type(exc).__name__}: {exc}); "
+            "without the hub, pass a local .txt/.jsonl/.parquet file or use --calib self"
+        ) from None
+    if "text" not in ds.column_names:
+        raise LlmoptError(f"dataset {spec!r} has no 'text' column (columns: {', '.join(ds.column_names)})")
+    return [t for t in ds["text"] if isinstance(t, str) and t.strip()]
+
+
+def _self_generated(model, num_samples: int, seq_len: int, seed: int) -> list[str]:
+    """The model writes `num_samples` documents of at least `seq_len` tokens each."""
+    from llmopt.runtime import LLM, SamplingParams
+
+    tok = model.tokenizer
+    prompts = []
+    for i in range(num_samples):
+        topic = SELF_CALIBRATION_TOPICS[i % len(SELF_CALIBRATION_TOPICS)]
+        prompts.append(tok.apply_chat_template([{"role": "user", "content": topic}]) if tok.is_chat else topic)
+    llm = LLM(model, max_num_seqs=min(num_samples, 64), max_model_len=min(model.config.max_position_embeddings, 4 * seq_len + 256))
+    params = [SamplingParams(max_tokens=seq_len + 8, min_tokens=seq_len + 8, temperature=1.0, top_p=0.95,
+                             seed=seed * 100_003 + i, ignore_eos=True) for i in range(num_samples)]
+    outputs = llm.generate(prompts, params)
+    return [p + o.outputs[0].text for p, o in zip(prompts, outputs)]

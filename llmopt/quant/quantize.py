@@ -1,0 +1,274 @@
+"""`quantize(...)`: one model in, one quantized checkpoint (folder or .gguf) and a report out.
+
+    load (core) -> calibration tokens -> layer-by-layer RTN / AWQ / GPTQ -> pack -> write
+    (temp path, renamed at the end) -> quantize_report.json
+
+The model is loaded in float32 on the chosen device and quantized in place; the writers
+take its (now quantized) weights, split our fused q/k/v and gate/up projections back
+into the checkpoint's per-projection tensors, and pack them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import resource
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from llmopt import __version__
+from llmopt.core import load, resolve
+from llmopt.core.atomic import atomic_file
+from llmopt.core.convert import write_hf_folder
+from llmopt.errors import LlmoptError
+from llmopt.quant.calibration import load_calibration
+from llmopt.quant.formats import pack_tensors, quantization_config
+from llmopt.quant.layerwise import MethodOptions, QuantizedSite, part_rows, quantize_layers
+from llmopt.quant.quantizer import QuantScheme
+from llmopt.quant.threads import one_thread
+
+log = logging.getLogger("llmopt")
+
+METHODS = ("rtn", "awq", "gptq", "gguf")
+FORMATS = ("awq", "gptq", "gguf")
+DEFAULT_FORMAT = {"rtn": "gptq", "awq": "awq", "gptq": "gptq", "gguf": "gguf"}
+REPORT_NAME = "quantize_report.json"
+
+
+@dataclass
+class QuantizeRequest:
+    model: str
+    output: Path
+    method: str = "awq"
+    format: str | None = None  # default: DEFAULT_FORMAT[method]
+    bits: int = 4
+    group_size: int = 64
+    sym: bool | None = None  # default: symmetric for GPTQ (as GPTQModel), asymmetric otherwise
+    desc_act: bool = False
+    damp_percent: float = 0.01
+    calib: str = "self"
+    num_samples: int = 64
+    seq_len: int = 256
+    seed: int = 0
+    gguf_type: str = "Q4_K_M"
+    quantize_lm_head: bool = False
+    overwrite: bool = False
+    device: str = "cpu"
+
+    def resolved_format(self) -> str:
+        return self.format or DEFAULT_FORMAT[self.method]
+
+    def scheme(self) -> QuantScheme:
+        sym = self.sym if self.sym is not None else self.method == "gptq"
+        return QuantScheme(bits=self.bits, group_size=self.group_size, sym=sym)
+
+
+@dataclass
+class QuantizeReport:
+    output: str
+    method: str
+    format: str
+    parameters: dict[str, Any]
+    calibration: dict[str, Any] | None
+    seed: int
+    wall_seconds: float
+    calibration_seconds: float
+    quantize_seconds: float
+    peak_rss_bytes: int
+    size_before_bytes: int
+    size_after_bytes: int
+    layers: list[dict[str, Any]] = field(default_factory=list)
+    mean_relative_error: float | None = None
+    source: str = ""
+    llmopt_version: str = __version__
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def validate(req: QuantizeRequest) -> None:
+    """Everything checkable before loading a model: bad flags fail in milliseconds."""
+    if req.method not in METHODS:
+        raise LlmoptError(f"unknown method {req.method!r}; choose one of: {', '.join(METHODS)}")
+    fmt = req.resolved_format()
+    if fmt not in FORMATS:
+        raise LlmoptError(f"unknown format {fmt!r}; choose one of: {', '.join(FORMATS)}")
+    if req.method == "gguf" and fmt != "gguf":
+        raise LlmoptError("--method gguf writes a .gguf file; drop --format or use --format gguf")
+    if fmt == "gguf":
+        from llmopt.quant.gguf_export import GGUF_TYPES
+
+        if req.gguf_type not in GGUF_TYPES:
+            raise LlmoptError(f"unknown GGUF type {req.gguf_type!r}; choose one of: {', '.join(GGUF_TYPES)}")
+        if req.method in ("rtn", "gptq"):
+            raise LlmoptError(f"--method {req.method} --format gguf is not supported: GGUF types carry their own "
+                              "rounding; use --method gguf, or --method awq --format gguf for AWQ-scaled weights")
+        if req.output.suffix != ".gguf":
+            raise LlmoptError(f"GGUF output must be a .gguf file path, got {req.output}")
+    else:
+        if req.bits != 4:
+            raise LlmoptError(f"--bits {req.bits} is not supported: the {fmt.upper()} writer packs 4-bit weights only")
+        if req.group_size != -1 and req.group_size not in (32, 64, 128, 256) and (req.group_size < 8 or req.group_size % 8):
+            raise LlmoptError(f"--group-size must be -1 or a positive multiple of 8 (32, 64, 128 are usual), got {req.group_size}")
+        if fmt == "awq" and req.group_size == -1:
+            raise LlmoptError("the AWQ format needs a positive --group-size (vLLM and AutoAWQ size groups from it); "
+                              "use --format gptq for per-channel (-1) groups")
+        if fmt == "awq" and req.desc_act:
+            raise LlmoptError("--desc-act (act-order) needs the GPTQ format's g_idx; use --format gptq")
+    if req.method != "gptq" and req.desc_act:
+        raise LlmoptError("--desc-act applies to --method gptq only")
+    if not 0 < req.damp_percent < 1:
+        raise LlmoptError(f"--damp-percent must be in (0, 1), got {req.damp_percent}")
+    if req.output.exists() and not req.overwrite:
+        raise LlmoptError(f"{req.output} already exists; pass --overwrite to replace it")
+
+
+def check_shapes(model, group_size: int, quantize_lm_head: bool) -> None:
+    """Every quantized layer's input size must split into whole groups (say which sizes would
+    work), and int4 packing needs sizes divisible by 8."""
+    cfg = model.config
+    if quantize_lm_head and cfg.vocab_size % 8:
+        raise LlmoptError(f"--quantize-lm-head: the vocabulary size {cfg.vocab_size} is not a multiple of 8, "
+                          "which int4 packing needs; leave the output projection unquantized")
+    if group_size == -1:
+        return
+    inputs = {"q/k/v, gate/up (hidden_size)": cfg.hidden_size, "o_proj": cfg.num_attention_heads * cfg.head_dim,
+              "down_proj (intermediate_size)": cfg.intermediate_size}
+    for name, size in inputs.items():
+        if size % group_size:
+            sizes = [g for g in (32, 64, 128, 256) if all(s % g == 0 for s in inputs.values())]
+            raise LlmoptError(
+                f"--group-size {group_size} does not divide the input size {size} of {name}; "
+                f"sizes that divide every layer: {', '.join(map(str, sizes)) or 'none of 32/64/128/256'} (or -1)"
+            )
+
+
+def quantize(req: QuantizeRequest, on_layer: Callable[[int, int], None] | None = None) -> QuantizeReport:
+    start = time.perf_counter()
+    validate(req)
+    source = resolve(req.model)
+    if source.quantization is not None and (source.quantization.method in ("awq", "gptq")
+                                            or source.kind == "gguf"):
+        what = source.quantization.details.get("file_type") or source.quantization.method.upper()
+        raise LlmoptError(f"{req.model} is already quantized ({what}); quantize from an unquantized model")
+    loaded = load(source, dtype="float32", device=req.device)
+    fmt, scheme = req.resolved_format(), req.scheme()
+    calib_info, calib_seconds, sites = None, 0.0, []
+    t_quant = time.perf_counter()
+    if req.method != "gguf":
+        check_shapes(loaded.model, req.group_size, req.quantize_lm_head)
+        input_ids = None
+        if req.method != "rtn":
+            t0 = time.perf_counter()
+            calib = load_calibration(req.calib, loaded, req.num_samples, req.seq_len, req.seed)
+            calib_seconds = time.perf_counter() - t0
+            calib_info = {"source": calib.source, "num_samples": req.num_samples, "seq_len": req.seq_len,
+                          "documents": calib.num_documents, "tokens_available": calib.num_tokens_available}
+            input_ids = calib.input_ids.to(loaded.device)
+        t_quant = time.perf_counter()
+        options = MethodOptions(method=req.method, scheme=scheme, desc_act=req.desc_act, damp_percent=req.damp_percent,
+                                keep_unrounded=fmt == "gguf")
+        sites = quantize_layers(loaded.model, input_ids, options, req.quantize_lm_head, on_layer)
+    quant_seconds = time.perf_counter() - t_quant
+
+    if fmt == "gguf":
+        from llmopt.quant.gguf_export import write_gguf
+
+        for site in sites:  # AWQ-scaled weights go to GGUF unrounded: its own types do the rounding
+            loaded.model.get_submodule(site.name).weight.copy_(site.unrounded)
+        tensors = {k: v.float() for k, v in hf_state_dict(loaded.model).items()}
+        write_gguf(req.output, _output_config(source.raw_config, loaded.model, None), tensors, loaded.tokenizer,
+                   req.gguf_type, overwrite=req.overwrite, metadata={"llmopt.method": req.method})
+        size_after = req.output.stat().st_size
+    else:
+        with one_thread():  # packing is integer shuffling over every weight: see threads.py
+            tensors = quantized_state_dict(loaded.model, sites, fmt)
+        qconfig = quantization_config(fmt, scheme, req.desc_act, lm_head=req.quantize_lm_head)
+        config = _output_config(source.raw_config, loaded.model, qconfig)
+        write_hf_folder(req.output, config, tensors, loaded.tokenizer,
+                        {"quantized_from": source.origin or str(source.path), "method": req.method}, overwrite=req.overwrite)
+        size_after = sum(f.stat().st_size for f in req.output.glob("*.safetensors"))
+
+    errors = [s.relative_error for s in sites if s.relative_error is not None]
+    report = QuantizeReport(
+        output=str(req.output), method=req.method, format=fmt,
+        parameters={"bits": scheme.bits if fmt != "gguf" else None, "group_size": scheme.group_size if fmt != "gguf" else None,
+                    "sym": scheme.sym if fmt != "gguf" else None, "desc_act": req.desc_act, "damp_percent": req.damp_percent,
+                    "gguf_type": req.gguf_type if fmt == "gguf" else None, "quantize_lm_head": req.quantize_lm_head,
+                    "device": req.device},
+        calibration=calib_info, seed=req.seed, wall_seconds=round(time.perf_counter() - start, 3),
+        calibration_seconds=round(calib_seconds, 3), quantize_seconds=round(quant_seconds, 3),
+        peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        size_before_bytes=_source_size(source), size_after_bytes=size_after,
+        layers=[{"name": s.name, "relative_error": s.relative_error, **s.details} for s in sites],
+        mean_relative_error=sum(errors) / len(errors) if errors else None,
+        source=source.origin or str(source.path),
+    )
+    report_path = req.output / REPORT_NAME if req.output.is_dir() else req.output.with_name(req.output.name + ".quantize_report.json")
+    with atomic_file(report_path) as tmp:
+        tmp.write_text(json.dumps(report.to_dict(), indent=2), encoding="utf-8")
+    return report
+
+
+def hf_state_dict(model) -> dict[str, torch.Tensor]:
+    """Our decoder's weights under checkpoint names: fused q/k/v and gate/up split back apart."""
+    state = {}
+    for name, tensor in model.state_dict().items():
+        site, _, kind = name.rpartition(".")
+        rows = part_rows(model, site)
+        if rows:
+            parent = site.rsplit(".", 1)[0]
+            for part, sl in rows.items():
+                state[f"{parent}.{part}.{kind}"] = tensor[sl]
+        else:
+            state[name] = tensor
+    if model.config.tie_word_embeddings and model.lm_head.weight is model.model.embed_tokens.weight:
+        state.pop("lm_head.weight", None)
+    return state
+
+
+def quantized_state_dict(model, sites: list[QuantizedSite], fmt: str) -> dict[str, torch.Tensor]:
+    """Packed int4 tensors for the quantized projections, fp16 for everything else."""
+    quantized = {s.name for s in sites}
+    tensors = {name: t.half() for name, t in hf_state_dict(model).items()
+               if not (name.endswith(".weight") and _site_of(name, model) in quantized)}
+    for site in sites:
+        rows = part_rows(model, site.name)
+        parent = site.name.rsplit(".", 1)[0]
+        parts = {f"{parent}.{part}": sl for part, sl in rows.items()} if rows else {site.name: slice(None)}
+        for prefix, sl in parts.items():
+            q = site.weight
+            part = type(q)(codes=q.codes[sl], scales=q.scales[sl], zeros=q.zeros[sl], g_idx=q.g_idx, scheme=q.scheme)
+            tensors.update(pack_tensors(fmt, prefix, part))
+    return tensors
+
+
+def _site_of(hf_weight_name: str, model) -> str:
+    """model.layers.0.self_attn.q_proj.weight -> model.layers.0.self_attn.qkv_proj (our fused module)."""
+    prefix = hf_weight_name[: -len(".weight")]
+    parent, _, proj = prefix.rpartition(".")
+    if proj in ("q_proj", "k_proj", "v_proj"):
+        return f"{parent}.qkv_proj"
+    if proj in ("gate_proj", "up_proj"):
+        return f"{parent}.gate_up_proj"
+    return prefix
+
+
+def _output_config(raw: dict[str, Any], model, qconfig: dict[str, Any] | None) -> dict[str, Any]:
+    config = {k: v for k, v in raw.items() if k != "quantization_config"}
+    config["torch_dtype"] = "float16" if qconfig else "float32"
+    if model.config.tie_word_embeddings and model.lm_head.weight is not model.model.embed_tokens.weight:
+        config["tie_word_embeddings"] = False  # --quantize-lm-head unties the output projection
+    if qconfig:
+        config["quantization_config"] = qconfig
+    return config
+
+
+def _source_size(source) -> int:
+    if source.kind == "gguf":
+        return source.path.stat().st_size
+    return sum(f.stat().st_size for f in source.path.glob("*.safetensors"))

@@ -1,0 +1,339 @@
+"""`llmopt eval` end to end on tiny random models: metrics by hand, gates, exit codes, cache, report."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import assert_usage_error, run_cli, write_tiny_model
+
+TEXT = (
+    "The quick brown fox jumps over the lazy dog. Then the dog wakes up and chases the fox into the woods, "
+    "where the trees are tall and the air is cold. "
+) * 6
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    # Tiny matmuls on busy shared cores: OpenMP threads spin and wait for each other, and
+    # one thread is tens of times faster. Restored for the other test modules.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory, tiny_models) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("eval")
+    (root / "text.txt").write_text(TEXT, encoding="utf-8")
+    subjects = ("anatomy", "virology")
+    records = [{"subject": s, "question": f"What is {i} plus {i}?", "choices": [str(2 * i), str(i), str(3 * i), "7"],
+                "answer": i % 4} for s in subjects for i in range(4)]
+    (root / "mmlu.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+
+    # the tiny llama with room for HumanEval prompts (byte-level tokens: ~1 per character)
+    long = root / "llama-long"
+    shutil.copytree(tiny_models["llama"], long)
+    config = json.loads((long / "config.json").read_text())
+    config["max_position_embeddings"] = 2048
+    (long / "config.json").write_text(json.dumps(config))
+
+    # a noisy copy: the same model buried in Gaussian noise (5x its weights)
+    from safetensors.torch import load_file, save_file
+
+    noisy = root / "llama-noisy"
+    shutil.copytree(tiny_models["llama"], noisy)
+    tensors = load_file(noisy / "model.safetensors")
+    gen = torch.Generator().manual_seed(1)
+    save_file({k: v + 1.0 * torch.randn(v.shape, generator=gen) for k, v in tensors.items()},
+              noisy / "model.safetensors", metadata={"format": "pt"})
+
+    other_vocab = write_tiny_model(root / "other-vocab", "llama", vocab_size=300)
+    return {"text": root / "text.txt", "mmlu": root / "mmlu.jsonl", "long": long, "noisy": noisy,
+            "other_vocab": other_vocab, "root": root}
+
+
+def _eval(*args: str) -> tuple[int, dict, str, str]:
+    """Run `llmopt eval ... --json`; (exit code, JSON report, stderr, stdout)."""
+    code, err, out = run_cli("eval", *args, "--json")
+    assert "Traceback" not in err, err
+    doc = json.loads(out) if code in (0, 1) else {}
+    return code, doc, err, out
+
+
+def _reference_nll(folder: Path, ids: list[int], context: int, stride: int) -> list[float]:
+    """Per-token NLL by hand with transformers: windows of `context` every `stride`, each token scored once."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    nll, scored_until, start = [], 1, 0
+    while scored_until < len(ids):
+        end = min(start + context, len(ids))
+        with torch.no_grad():
+            logits = model(torch.tensor([ids[start:end]])).logits[0].double()
+        logp = torch.log_softmax(logits, dim=-1)
+        for t in range(max(scored_until, start + 1), end):
+            nll.append(-logp[t - 1 - start, ids[t]].item())
+        scored_until, start = end, start + stride
+    return nll
+
+
+# ---------------------------------------------------------------------------- metrics
+
+
+@pytest.mark.parametrize("context,stride", [(256, 256), (64, 24)])
+def test_ppl_matches_a_forward_by_hand(tiny_models, files, context, stride):
+    folder = tiny_models["llama"]
+    code, doc, err, _ = _eval(str(folder), "--tasks", "ppl", "--text", str(files["text"]), "--max-tokens-scored", "150",
+                              "--ppl-context", str(context), "--ppl-stride", str(stride))
+    assert code == 0, err
+    from llmopt.core import Tokenizer
+
+    ids = Tokenizer.from_dir(folder).encode(TEXT, add_special_tokens=False)[:151]
+    ref = _reference_nll(folder, ids, context, stride)
+    assert len(ref) == 150 == doc["results"]["ppl"]["num_tokens"]
+    assert doc["results"]["ppl"]["ppl"] == pytest.approx(math.exp(sum(ref) / len(ref)), rel=1e-4)
+    assert doc["gates"] == [] and doc["exit_code"] == 0  # no baseline: no default gates
+
+
+def test_loglikelihood_fast_and_general_paths_match_a_forward(tiny_models):
+    from transformers import AutoModelForCausalLM
+
+    from llmopt.core import load
+    from llmopt.eval.loglikelihood import loglikelihoods, plan_jobs
+
+    loaded = load(str(tiny_models["llama"]))
+    single = [("Question: the answer is", " t"), ("Question: the answer is", "x"), ("", "the")]  # one token each
+    multi = [("The fox", " jumps over"), ("Short", " x"), ("The fox", " sleeps")]
+    _, fast = plan_jobs(loaded.tokenizer, single[:2], 256)
+    _, not_fast = plan_jobs(loaded.tokenizer, multi, 256)
+    assert fast and not not_fast
+    got = loglikelihoods(loaded, single + multi, batch_tokens=16)  # several forwards, several sequences each
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_models["llama"], dtype=torch.float32).eval()
+    enc = lambda s: loaded.tokenizer.encode(s, add_special_tokens=False)  # noqa: E731
+    eos = loaded.tokenizer.eos_token_ids[0]
+    for (context, continuation), value in zip(single + multi, got):
+        ctx = enc(context) if context else [eos]
+        whole = (enc(context + continuation) if context else [eos] + enc(continuation))
+        cont = whole[len(ctx):]
+        with torch.no_grad():
+            logp = torch.log_softmax(hf(torch.tensor([ctx + cont])).logits[0].double(), dim=-1)
+        want = sum(logp[len(ctx) - 1 + j, t].item() for j, t in enumerate(cont))
+        assert value == pytest.approx(want, abs=1e-4), (context, continuation)
+
+
+def test_kld_of_a_model_against_itself_is_zero_and_default_gates_pass(tiny_models, files):
+    m = str(tiny_models["llama"])
+    code, doc, err, _ = _eval(m, "--baseline", m, "--tasks", "ppl,kld", "--text", str(files["text"]),
+                              "--ppl-context", "64", "--ppl-stride", "32", "--max-tokens-scored", "200")
+    assert code == 0, err
+    kld = doc["results"]["kld"]
+    assert kld["mean"] == 0.0 and kld["max"] == 0.0 and kld["same_top_p"] == 1.0 and kld["num_tokens"] == 200
+    assert doc["results"]["ppl"]["ppl"] == doc["baseline_results"]["ppl"]["ppl"]
+    judged = {g["bound"] for g in doc["gates"]}
+    assert judged == {"ppl.ppl:+25%", "kld.mean:0.25"} and all(g["passed"] for g in doc["gates"])
+    assert set(doc["skipped_gates"]) == {"mmlu.acc:-3.0", "humaneval.pass@1:-3.0"}
+
+
+def test_a_noisy_copy_fails_the_gates_with_exit_1(tiny_models, files):
+    code, doc, err, _ = _eval(str(files["noisy"]), "--baseline", str(tiny_models["llama"]), "--tasks", "ppl,kld",
+                              "--text", str(files["text"]), "--ppl-context", "64", "--ppl-stride", "32",
+                              "--max-tokens-scored", "200")
+    assert code == 1, err
+    assert not doc["passed"] and doc["exit_code"] == 1
+    kld_gate = next(g for g in doc["gates"] if g["metric"] == "kld.mean")
+    assert not kld_gate["passed"] and kld_gate["conclusive"] and kld_gate["candidate"] > 0.25
+    assert "fail (significant)" in kld_gate["note"]
+    assert "FAILED: " in err and "kld.mean:0.25" in err  # the table and summary go to stderr with --json
+
+
+def test_explicit_gate_and_table_on_stdout(tiny_models, files):
+    code, err, out = run_cli("eval", str(files["noisy"]), "--baseline", str(tiny_models["llama"]), "--tasks", "kld",
+                             "--text", str(files["text"]), "--max-tokens-scored", "64", "--ppl-context", "64",
+                             "--ppl-stride", "32", "--gate", "kld.same_top_p:>=99")
+    assert code == 1, err
+    assert "kld.same_top_p" in out and "fail" in out and "gate kld.same_top_p:>=99: fail" in out
+
+
+def test_mmlu_end_to_end_on_a_local_file(tiny_models, files):
+    m = str(tiny_models["llama"])
+    code, doc, err, _ = _eval(m, "--baseline", m, "--tasks", "mmlu", "--mmlu-path", str(files["mmlu"]))
+    assert code == 0, err
+    mmlu = doc["results"]["mmlu"]
+    assert mmlu["n"] == 8 and 0 <= mmlu["acc"] <= 1
+    assert set(doc["groups"]) == {"mmlu", "mmlu_stem", "mmlu_other"}  # anatomy is stem, virology other
+    assert doc["results"]["mmlu_anatomy"]["n"] == 4
+    assert doc["n-samples"]["mmlu"] == {"original": 8, "effective": 8}
+    gate = doc["gates"][0]
+    assert gate["bound"] == "mmlu.acc:-3.0" and gate["delta"] == 0 and gate["passed"]
+
+
+def test_mmlu_limit_is_per_subject(tiny_models, files):
+    code, doc, err, _ = _eval(str(tiny_models["llama"]), "--tasks", "mmlu", "--mmlu-path", str(files["mmlu"]),
+                              "--limit", "2")
+    assert code == 0, err
+    assert doc["n-samples"]["mmlu"] == {"original": 8, "effective": 4}
+    assert doc["results"]["mmlu_virology"]["n"] == 2
+
+
+def test_humaneval_end_to_end(files, tmp_path):
+    m = str(files["long"])
+    out = tmp_path / "he.json"
+    code, doc, err, _ = _eval(m, "--tasks", "humaneval", "--limit", "2", "--humaneval-max-tokens", "8",
+                              "--kv-cache-memory", "32MiB", "--output", str(out), "--log-samples")
+    assert code == 0, err
+    he = doc["results"]["humaneval"]
+    assert he["pass@1"] == 0.0 and he["num_problems"] == 2 and sum(he["status_counts"].values()) == 2
+    lines = [json.loads(x) for x in (tmp_path / "he.samples.jsonl").read_text().splitlines()]
+    assert [x["task_id"] for x in lines] == ["HumanEval/0", "HumanEval/1"]
+    assert all(len(x["candidate"]["samples"]) == 1 for x in lines)
+
+
+def test_humaneval_prompt_longer_than_the_context_is_scored_failed(tiny_models):
+    code, doc, err, _ = _eval(str(tiny_models["llama"]), "--tasks", "humaneval", "--limit", "1",
+                              "--humaneval-max-tokens", "4", "--kv-cache-memory", "16MiB")
+    assert code == 0, err
+    assert doc["results"]["humaneval"]["pass@1"] == 0.0
+    assert "scored as failed" in err
+
+
+# ---------------------------------------------------------------------------- cache, report, recipe
+
+
+def test_baseline_cache_is_reused_on_the_second_run(tiny_models, files, tmp_path):
+    base = tmp_path / "base"  # a fresh copy: its own cache entries
+    shutil.copytree(tiny_models["llama"], base)
+    args = (str(tiny_models["llama"]), "--baseline", str(base), "--tasks", "ppl,kld,mmlu", "--text", str(files["text"]),
+            "--mmlu-path", str(files["mmlu"]), "--ppl-context", "64", "--ppl-stride", "32", "--max-tokens-scored", "100")
+    code, first, err, _ = _eval(*args)
+    assert code == 0, err
+    assert first["cache"]["baseline"] == {"ppl+kld": "miss", "mmlu": "miss"}
+    assert "load" in first["timing"]["baseline"]
+
+    code, second, err, _ = _eval(*args)
+    assert code == 0, err
+    assert second["cache"]["baseline"] == {"ppl+kld": "hit", "mmlu": "hit"}
+    assert "load" not in second["timing"]["baseline"]  # the baseline model was never loaded
+    assert "from the baseline cache" in err
+    assert second["results"] == first["results"] and second["baseline_results"] == first["baseline_results"]
+
+    # the stored rows: one float16 row of the full vocabulary per scored token
+    import numpy as np
+
+    rows = [np.load(p, mmap_mode="r") for p in Path(first["cache"]["dir"]).glob("*/logprobs.npy")]
+    assert any(r.shape == (100, 263) and r.dtype == np.float16 for r in rows)
+
+    code, third, err, _ = _eval(*args, "--no-cache")
+    assert code == 0 and third["cache"]["baseline"] == {"ppl+kld": "off", "mmlu": "off"}
+
+
+def test_output_json_schema_and_samples(tiny_models, files, tmp_path):
+    m = str(tiny_models["llama"])
+    out = tmp_path / "results.json"
+    code, err, stdout = run_cli("eval", m, "--baseline", m, "--tasks", "ppl,kld,mmlu", "--text", str(files["text"]),
+                                "--mmlu-path", str(files["mmlu"]), "--ppl-context", "64", "--ppl-stride", "32",
+                                "--max-tokens-scored", "50", "--output", str(out), "--log-samples")
+    assert code == 0, err
+    doc = json.loads(out.read_text())
+    for key in ("results", "groups", "configs", "n-samples", "versions", "gates", "metrics", "timing", "model",
+                "baseline", "baseline_results", "passed", "exit_code", "cache"):
+        assert key in doc, key
+    assert set(doc["results"]) >= {"ppl", "kld", "mmlu", "mmlu_anatomy", "mmlu_virology"}
+    assert doc["results"]["mmlu"]["acc_stderr"] is not None
+    assert doc["configs"]["ppl"]["context"] == 64 and doc["configs"]["kld"]["text"] == str(files["text"])
+    assert doc["versions"]["llmopt"] and doc["model"]["spec"] == m and doc["baseline"]["spec"] == m
+    assert {r["metric"] for r in doc["metrics"]} >= {"ppl.ppl", "kld.mean", "mmlu.acc"}
+    assert not list(tmp_path.glob(".*tmp*"))  # written atomically, nothing left behind
+    samples = [json.loads(x) for x in (tmp_path / "results.samples.jsonl").read_text().splitlines()]
+    assert sum(s["task"] == "ppl+kld" for s in samples) == 50 and sum(s["task"] == "mmlu" for s in samples) == 8
+    assert "llmopt eval" in stdout and "mmlu" in stdout  # the table
+
+
+def test_recipe_sets_tasks_gates_and_options_and_flags_win(tiny_models, files, tmp_path):
+    recipe = tmp_path / "r.json"
+    recipe.write_text(json.dumps({"eval": {"tasks": ["ppl"], "gates": ["ppl:+1%"], "max_tokens_scored": 40,
+                                           "text": str(files["text"]), "ppl_context": 32, "ppl_stride": 16}}))
+    m = str(tiny_models["llama"])
+    code, doc, err, _ = _eval(m, "--baseline", m, "--recipe", str(recipe))
+    assert code == 0, err
+    assert doc["results"]["ppl"]["num_tokens"] == 40 and [g["bound"] for g in doc["gates"]] == ["ppl.ppl:+1%"]
+    code, doc, err, _ = _eval(m, "--baseline", m, "--recipe", str(recipe), "--max-tokens-scored", "20", "--gate", "none")
+    assert code == 0 and doc["results"]["ppl"]["num_tokens"] == 20 and doc["gates"] == []
+
+    yaml_recipe = tmp_path / "r.yaml"
+    yaml_recipe.write_text(f"tasks: ppl\ngates: ['ppl.nll:+0.5']\nmax_tokens_scored: 30\ntext: {files['text']}\n")
+    code, doc, err, _ = _eval(m, "--baseline", m, "--recipe", str(yaml_recipe), "--ppl-context", "32", "--ppl-stride", "32")
+    assert code == 0, err
+    assert doc["gates"][0]["bound"] == "ppl.nll:+0.5"
+
+
+def test_shipped_default_recipe_is_the_built_in_default():
+    from llmopt.eval.recipe import DEFAULTS
+
+    shipped = json.loads((Path(__file__).parents[1] / "recipes" / "default-gates.json").read_text())
+    assert shipped == DEFAULTS
+
+
+# ---------------------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize("args,fragments", [
+    (["--tasks", "ppl,bleu"], ["unknown task 'bleu'"]),
+    (["--tasks", "mmlu", "--limit", "0"], ["--limit", "positive"]),
+    (["--tasks", "mmlu", "--limit", "-3"], ["--limit"]),
+    (["--tasks", "mmlu", "--limit", "lots"], ["--limit"]),
+    (["--tasks", "ppl", "--gate", "ppl"], ["malformed gate"]),
+    (["--tasks", "ppl", "--gate", "ppl:+5%"], ["--baseline"]),
+    (["--tasks", "ppl", "--gate", "mmlu.acc:>=30"], ["needs task mmlu"]),
+    (["--tasks", "kld"], ["kld", "--baseline"]),
+    (["--tasks", "mmlu", "--mmlu-path", "/nonexistent/mmlu.jsonl"], ["does not exist"]),
+    (["--tasks", "ppl", "--text", "/nonexistent/t.txt"], ["does not exist"]),
+    (["--tasks", "ppl", "--ppl-context", "64", "--ppl-stride", "128"], ["--ppl-stride"]),
+    (["--tasks", "humaneval", "--pass-k", "1,10"], ["pass@10", "--humaneval-samples"]),
+    (["--tasks", "humaneval", "--humaneval-mode", "freestyle"], ["--humaneval-mode"]),
+    (["--tasks", "ppl", "--log-samples"], ["--output"]),
+    (["--tasks", "mmlu", "--num-fewshot", "2"], ["dev split"]),
+])
+def test_bad_input_exits_2(tiny_models, args, fragments):
+    assert_usage_error(["eval", str(tiny_models["llama"]), *args], *fragments)
+
+
+def test_bad_recipe_and_missing_model(tiny_models, tmp_path):
+    m = str(tiny_models["llama"])
+    assert_usage_error(["eval", m, "--recipe", str(tmp_path / "nope.json")], "does not exist")
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"taks": ["ppl"]}))
+    assert_usage_error(["eval", m, "--recipe", str(bad)], "unknown setting", "taks")
+    bad.write_text("{not json")
+    assert_usage_error(["eval", m, "--recipe", str(bad)], "not valid JSON")
+    assert_usage_error(["eval", str(tmp_path / "missing-model"), "--tasks", "ppl"], "missing-model")
+
+
+def test_tokenizer_mismatch_for_kld_is_explained(tiny_models, files):
+    line = assert_usage_error(["eval", str(files["other_vocab"]), "--baseline", str(tiny_models["llama"]),
+                               "--tasks", "ppl,kld", "--text", str(files["text"])], "tokenizer")
+    assert "300" in line and "263" in line and "mmlu" in line
+
+
+def test_tokenizer_mismatch_is_fine_for_mmlu(tiny_models, files):
+    code, doc, err, _ = _eval(str(files["other_vocab"]), "--baseline", str(tiny_models["llama"]), "--tasks", "mmlu",
+                              "--mmlu-path", str(files["mmlu"]), "--gate", "none")
+    assert code == 0, err
+
+
+# ---------------------------------------------------------------------------- the default model
+
+
+@pytest.mark.integration
+def test_default_model_against_itself_passes_with_kld_zero():
+    code, doc, err, _ = _eval("default", "--baseline", "default", "--tasks", "kld,ppl", "--max-tokens-scored", "512")
+    assert code == 0, err
+    assert doc["results"]["kld"]["mean"] == 0.0 and doc["results"]["kld"]["same_top_p"] == 1.0
+    assert doc["results"]["ppl"]["num_tokens"] == 512 and all(g["passed"] for g in doc["gates"])

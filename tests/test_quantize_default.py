@@ -1,0 +1,51 @@
+"""`llmopt quantize` on the embedded default model, then `llmopt generate` on what it wrote."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import pytest
+
+from conftest import run_cli
+
+pytestmark = pytest.mark.integration
+
+QUESTION = "What is the capital of France?"
+
+
+@pytest.fixture(scope="module")
+def calib_text(tmp_path_factory) -> Path:
+    """Calibration text from the bundled MMLU subset (questions and choices): offline and shipped."""
+    from importlib.resources import files
+
+    rows = [json.loads(line) for line in gzip.open(files("llmopt.eval") / "data" / "mmlu_subset.jsonl.gz", "rt")]
+    path = tmp_path_factory.mktemp("calib") / "mmlu.txt"
+    path.write_text("\n\n".join(r["question"] + "\n" + "\n".join(r["choices"]) for r in rows[:300]), encoding="utf-8")
+    return path
+
+
+def generate(model: Path, *extra: str) -> str:
+    code, err, out = run_cli("generate", str(model), "-p", QUESTION, "--max-tokens", "16", "--temperature", "0", *extra)
+    assert code == 0, err
+    return out
+
+
+@pytest.mark.parametrize("method", ["awq", "gptq"])
+def test_int4_checkpoint_still_knows_paris(method, calib_text, tmp_path):
+    out = tmp_path / method
+    code, err, stdout = run_cli("quantize", "default", "-o", str(out), "--method", method, "--calib", str(calib_text),
+                                "--num-samples", "8", "--seq-len", "128", "--json")
+    assert code == 0, err
+    report = json.loads(stdout)
+    assert report["size_after_bytes"] < report["size_before_bytes"] / 3
+    assert len(report["layers"]) == 30 * 4 and report["mean_relative_error"] < 0.05
+    assert "Paris" in generate(out)
+
+
+def test_gguf_through_llama_cpp_knows_paris(tmp_path):
+    out = tmp_path / "default-f16.gguf"
+    code, err, _ = run_cli("quantize", "default", "-o", str(out), "--method", "gguf", "--gguf-type", "F16")
+    assert code == 0, err
+    assert "Paris" in generate(out, "--engine", "llama.cpp")
