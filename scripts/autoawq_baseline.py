@@ -255,8 +255,9 @@ def main(argv=None) -> int:
                         "cpu_safe_quantizer_cls); by default a one-line CPU fix is applied (same cost)")
     q.add_argument("--device-map", default="auto", help="passed to from_pretrained (AutoAWQ default 'auto')")
     q.add_argument("--dtype", default="float16", choices=["float16", "float32", "bfloat16"],
-                   help="torch_dtype the model is loaded and calibrated in. AutoAWQ's default is float16, "
-                        "which on a CPU without fp16 GEMM (AVX2-only) is ~50x slower per matmul than float32")
+                   help="torch_dtype the model is loaded and calibrated in (AutoAWQ's default: float16). On an "
+                        "AVX2-only CPU an fp16 matmul is ~50x slower than fp32 (microbenchmark); float32 is the "
+                        "sensible CPU baseline, with --save-dtype float16 for AutoAWQ's usual checkpoint")
     q.add_argument("--save-dtype", default=None, choices=["float16", "float32", "bfloat16"],
                    help="cast the non-quantized tensors to this before save_quantized (default: --dtype); "
                         "--dtype float32 --save-dtype float16 gives AutoAWQ's usual all-fp16 checkpoint")

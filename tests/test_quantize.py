@@ -40,8 +40,8 @@ def request(model: Path, out: Path, calib: Path, **kw) -> QuantizeRequest:
 def quantized(tiny_models, calib_file, tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("quantized")
     outs = {}
-    for name, kw in {"rtn": dict(method="rtn"), "awq": dict(method="awq"), "gptq": dict(method="gptq"),
-                     "gptq-act": dict(method="gptq", desc_act=True, sym=False), "gptq-g-1": dict(method="gptq", group_size=-1),
+    for name, kw in {"rtn": dict(method="rtn"), "awq": dict(method="awq"), "gptq": dict(method="gptq", desc_act=False),
+                     "gptq-act": dict(method="gptq", desc_act=True, sym=True), "gptq-g-1": dict(method="gptq", group_size=-1),
                      "awq-as-gptq": dict(method="awq", format="gptq")}.items():
         outs[name] = root / name
         quantize(request(tiny_models["llama"], outs[name], calib_file, **kw))
@@ -93,7 +93,8 @@ def test_checkpoint_layout_config_and_report(quantized, name):
     assert qc["quant_method"] == fmt and qc["bits"] == 4
     assert qc["group_size"] == (-1 if name == "gptq-g-1" else 32)
     if fmt == "gptq":
-        assert qc["checkpoint_format"] == "gptq" and qc["desc_act"] == (name == "gptq-act")
+        assert qc["checkpoint_format"] == "gptq" and qc["desc_act"] == (name in ("gptq-act", "gptq-g-1"))
+        assert qc["sym"] == (name == "gptq-act")
     else:
         assert qc["version"] == "gemm" and qc["zero_point"] is True
     from safetensors import safe_open
@@ -163,7 +164,7 @@ def test_calibrated_methods_beat_round_to_nearest(tiny_models, quantized):
     assert 0 < rtn
     assert kld_to_base(tiny_models, quantized["gptq"]) < rtn
     assert kld_to_base(tiny_models, quantized["awq"]) < rtn
-    assert kld_to_base(tiny_models, quantized["gptq-g-1"]) > kld_to_base(tiny_models, quantized["gptq"])
+    assert kld_to_base(tiny_models, quantized["gptq-act"]) < rtn
 
 
 def test_quantized_model_generates(quantized):

@@ -97,7 +97,10 @@ def build_model(
             raise LlmoptError(
                 f"{where}: tensor {', '.join(parts)} has shape {tuple(tensor.shape)}, config implies {tuple(expected[name])}"
             )
-        state[name] = tensor.to(device=device, dtype=dtype)
+        # a private copy even when no conversion is needed: safetensors tensors are views of
+        # the memory-mapped file, and one live view keeps every page of the file read so far
+        # (here: the q/k/v and gate/up parts read for stacking) in our resident memory
+        state[name] = tensor.to(device=device, dtype=dtype, copy=len(parts) == 1)
     model.load_state_dict(state, strict=False, assign=True)
     if config.tie_word_embeddings:
         model.tie_weights()

@@ -20,7 +20,8 @@ from llmopt.quant.threads import one_thread
 CHECKPOINT_FORMATS = ("awq", "gptq")
 
 
-def quantization_config(fmt: str, scheme: QuantScheme, desc_act: bool = False, lm_head: bool = False) -> dict[str, Any]:
+def quantization_config(fmt: str, scheme: QuantScheme, desc_act: bool = False, lm_head: bool = False,
+                        damp_percent: float = 0.1) -> dict[str, Any]:
     """The `quantization_config` block transformers, vLLM and GPTQModel/AutoAWQ read."""
     if fmt == "awq":
         # AWQ's GEMM format always carries zero points: a symmetric grid is stored as zero = 8
@@ -28,7 +29,7 @@ def quantization_config(fmt: str, scheme: QuantScheme, desc_act: bool = False, l
                 "version": "gemm", "modules_to_not_convert": None if lm_head else ["lm_head"]}
     return {"quant_method": "gptq", "bits": scheme.bits, "group_size": scheme.group_size, "desc_act": desc_act,
             "sym": scheme.sym, "checkpoint_format": "gptq", "static_groups": False, "true_sequential": True,
-            "lm_head": lm_head, "damp_percent": 0.01}
+            "lm_head": lm_head, "damp_percent": damp_percent}
 
 
 def pack_tensors(fmt: str, prefix: str, q: QuantizedWeight) -> dict[str, torch.Tensor]:

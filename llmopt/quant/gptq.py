@@ -39,7 +39,7 @@ def hessian(x: torch.Tensor) -> torch.Tensor:
 
 def gptq_quantize(
     weight: torch.Tensor, h: torch.Tensor, scheme: QuantScheme, desc_act: bool = False,
-    damp_percent: float = 0.01, block_size: int = 128,
+    damp_percent: float = 0.1, block_size: int = 128,
 ) -> tuple[QuantizedWeight, GPTQStats]:
     w = weight.detach().float().clone()
     out_features, n = w.shape

@@ -22,6 +22,7 @@ from typing import Callable
 
 import torch
 
+from llmopt.core.memory import release_freed_memory
 from llmopt.model.attention import EqualLengthAttention
 from llmopt.model.llama import LlamaForCausalLM
 from llmopt.quant import awq, gptq
@@ -33,7 +34,7 @@ class MethodOptions:
     method: str  # "rtn" | "awq" | "gptq"
     scheme: QuantScheme
     desc_act: bool = False  # GPTQ act-order
-    damp_percent: float = 0.01
+    damp_percent: float = 0.1
     n_grid: int = 20  # AWQ scale / clip grids
     keep_unrounded: bool = False  # AWQ: keep the scaled, clipped weights before rounding (for GGUF export)
     search_tokens: int = 512  # AWQ scale search: a stride sample of the tokens (AutoAWQ's clip search uses 512)
@@ -97,6 +98,7 @@ def quantize_layers(model: LlamaForCausalLM, input_ids: torch.Tensor, options: M
             for h in handles:
                 h.remove()
         sites.extend(done[name] for name in sites_of(prefix))
+        release_freed_memory()
         if on_layer:
             on_layer(i + 1, len(inner.layers))
     if quantize_lm_head:
