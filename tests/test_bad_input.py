@@ -214,3 +214,8 @@ def test_bad_engine_options(tiny_models, args, fragment):
 )
 def test_bad_serve_options(tiny_models, args, fragment):
     assert_usage_error(["serve", str(tiny_models["llama"]), *args], fragment)
+
+
+def test_generate_engine_flag(tiny_models):
+    assert_usage_error(["generate", str(tiny_models["llama"]), "-p", "hi", "--engine", "tgi"], "unknown engine", "llama.cpp")
+    assert_usage_error(["generate", str(tiny_models["llama"]), "-p", "hi", "--engine", "llama.cpp"], ".gguf")

@@ -19,15 +19,13 @@ The text is tokenized without special tokens and cut to the first `max_tokens + 
 
 from __future__ import annotations
 
-import gzip
 import hashlib
-import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from llmopt.core.documents import hub_documents, read_documents
 from llmopt.errors import LlmoptError
 
 BUNDLED = "bundled"
@@ -84,59 +82,14 @@ def _bundled_mmlu_text() -> str:
 
 
 def _hub_text(spec: str) -> EvalText:
-    parts = spec[3:].split(":")
-    if not parts[0] or len(parts) > 3:
-        raise LlmoptError(f"bad --text {spec!r}; expected hf:NAME[:CONFIG][:SPLIT], e.g. hf:wikitext:wikitext-2-raw-v1")
-    name = parts[0]
-    config = parts[1] if len(parts) > 1 and parts[1] else None
-    split = parts[2] if len(parts) > 2 and parts[2] else "test"
     fallback = "offline, pass a local .txt/.jsonl file with --text, or leave --text out for the bundled text"
-    try:
-        from datasets import load_dataset
-    except ImportError:
-        raise LlmoptError(f"--text {spec} needs the datasets package (pip install 'llmopt[eval]'); {fallback}") from None
-    try:
-        ds = load_dataset(name, config, split=split)
-    except Exception as exc:  # offline, unknown name/config/split: all explained the same way
-        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() not in ("0", "false", "")
-        raise LlmoptError(f"cannot load {spec} with datasets ({reason}{'; HF_HUB_OFFLINE is set' if offline else ''}); "
-                          f"{fallback}") from None
-    if "text" not in ds.column_names:
-        raise LlmoptError(f"{spec} has no 'text' column (columns: {', '.join(ds.column_names)})")
-    return EvalText(spec, f"{name} {config or ''} {split} split".replace("  ", " "),
-                    "\n\n".join(t for t in ds["text"] if isinstance(t, str)))
+    description, docs = hub_documents(spec, "--text", "test", fallback)
+    return EvalText(spec, description, "\n\n".join(docs))
 
 
 def _file_text(spec: str) -> EvalText:
     path = Path(spec).expanduser()
-    if not path.is_file():
-        raise LlmoptError(f"--text file {path} does not exist; give a .txt or .jsonl file, hf:NAME[:CONFIG][:SPLIT], "
-                          "or leave --text out for the bundled text")
-    name = path.name.lower()
-    try:
-        if name.endswith(".txt"):
-            text = path.read_text(encoding="utf-8")
-        elif name.endswith((".jsonl", ".jsonl.gz")):
-            opener = gzip.open if name.endswith(".gz") else open
-            docs = []
-            with opener(path, "rt", encoding="utf-8") as f:
-                for n, line in enumerate(f, 1):
-                    if line.strip():
-                        docs.append(_text_of(json.loads(line), f"{path}:{n}"))
-            text = "\n\n".join(docs)
-        else:
-            raise LlmoptError(f"--text {path}: unsupported file type; use .txt, .jsonl or .jsonl.gz")
-    except (UnicodeDecodeError, json.JSONDecodeError, OSError, EOFError) as exc:
-        raise LlmoptError(f"cannot read --text file {path}: {exc}") from None
+    text = "\n\n".join(read_documents(path, "--text file"))
     if not text.strip():
         raise LlmoptError(f"--text file {path} is empty")
     return EvalText(str(path), f"local file {path.name}", text)
-
-
-def _text_of(record, where: str) -> str:
-    if isinstance(record, str):
-        return record
-    if isinstance(record, dict) and isinstance(record.get("text"), str):
-        return record["text"]
-    raise LlmoptError(f"{where}: expected a JSON string or an object with a 'text' string")

@@ -16,13 +16,13 @@ Documents are tokenized, joined with the EOS token into one stream, cut into win
 
 from __future__ import annotations
 
-import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from llmopt.core.documents import hub_documents, read_documents
 from llmopt.errors import LlmoptError
 
 SELF_CALIBRATION_TOPICS = (
@@ -53,9 +53,10 @@ def load_calibration(spec: str, model, num_samples: int, seq_len: int, seed: int
     if spec == "self":
         docs = _self_generated(model, num_samples, seq_len, seed)
     elif spec.startswith("hf:"):
-        docs = _hub_texts(spec)
+        fallback = "without the hub, pass a local .txt/.jsonl/.parquet file or use --calib self"
+        docs = [d for d in hub_documents(spec, "calibration dataset", "train", fallback)[1] if d.strip()]
     else:
-        docs = _file_texts(Path(spec).expanduser())
+        docs = read_documents(Path(spec), "calibration file")
     if not any(d.strip() for d in docs):
         raise LlmoptError(f"calibration data {spec!r} is empty")
     tok = model.tokenizer
@@ -73,62 +74,6 @@ def load_calibration(spec: str, model, num_samples: int, seq_len: int, seed: int
     picks = sorted(random.Random(seed).sample(range(windows), num_samples))
     ids = torch.tensor([stream[i * seq_len:(i + 1) * seq_len] for i in picks], dtype=torch.long)
     return CalibrationData(input_ids=ids, source=spec, num_documents=len(docs), num_tokens_available=len(stream))
-
-
-def _file_texts(path: Path) -> list[str]:
-    if not path.exists():
-        raise LlmoptError(f"calibration file {path} does not exist")
-    suffix = "".join(path.suffixes[-2:]) if path.name.endswith(".gz") else path.suffix
-    try:
-        if suffix == ".txt":
-            return [path.read_text(encoding="utf-8")]
-        if suffix in (".jsonl", ".jsonl.gz"):
-            import gzip
-
-            opener = gzip.open if suffix.endswith(".gz") else open
-            texts = []
-            with opener(path, "rt", encoding="utf-8") as f:
-                for n, line in enumerate(f, 1):
-                    if line.strip():
-                        texts.append(_text_of(json.loads(line), f"{path}:{n}"))
-            return texts
-        if suffix == ".parquet":
-            import pyarrow.parquet as pq
-
-            table = pq.read_table(path)
-            if "text" not in table.column_names:
-                raise LlmoptError(f"{path} has no 'text' column (columns: {', '.join(table.column_names)})")
-            return [t for t in table.column("text").to_pylist() if isinstance(t, str)]
-    except (UnicodeDecodeError, json.JSONDecodeError, OSError) as exc:
-        raise LlmoptError(f"cannot read calibration file {path}: {exc}") from None
-    raise LlmoptError(f"calibration file {path}: unsupported type {suffix or '(none)'}; use .txt, .jsonl or .parquet")
-
-
-def _text_of(record, where: str) -> str:
-    if isinstance(record, str):
-        return record
-    if isinstance(record, dict) and isinstance(record.get("text"), str):
-        return record["text"]
-    raise LlmoptError(f"{where}: expected a JSON string or an object with a 'text' string")
-
-
-def _hub_texts(spec: str) -> list[str]:
-    parts = spec[3:].split(":")
-    if not parts[0] or len(parts) > 3:
-        raise LlmoptError(f"bad calibration spec {spec!r}; expected hf:NAME[:CONFIG][:SPLIT]")
-    name, config, split = parts[0], (parts[1] if len(parts) > 1 and parts[1] else None), (parts[2] if len(parts) > 2 else "train")
-    try:
-        from datasets import load_dataset
-
-        ds = load_dataset(name, config, split=split)
-    except Exception as exc:  # offline, missing dataset, bad config: all explained the same way
-        raise LlmoptError(
-            f"cannot load calibration dataset {spec!r} ({type(exc).__name__}: {exc}); "
-            "without the hub, pass a local .txt/.jsonl/.parquet file or use --calib self"
-        ) from None
-    if "text" not in ds.column_names:
-        raise LlmoptError(f"dataset {spec!r} has no 'text' column (columns: {', '.join(ds.column_names)})")
-    return [t for t in ds["text"] if isinstance(t, str) and t.strip()]
 
 
 def _self_generated(model, num_samples: int, seq_len: int, seed: int) -> list[str]:

@@ -25,6 +25,7 @@ from llmopt.core import load, resolve
 from llmopt.core.atomic import atomic_file
 from llmopt.core.convert import write_hf_folder
 from llmopt.errors import LlmoptError
+from llmopt.model.llama import STACKED_PROJECTIONS
 from llmopt.quant.calibration import load_calibration
 from llmopt.quant.formats import pack_tensors, quantization_config
 from llmopt.quant.layerwise import MethodOptions, QuantizedSite, part_rows, quantize_layers
@@ -256,11 +257,10 @@ def quantized_state_dict(model, sites: list[QuantizedSite], fmt: str) -> dict[st
 def _site_of(hf_weight_name: str, model) -> str:
     """model.layers.0.self_attn.q_proj.weight -> model.layers.0.self_attn.qkv_proj (our fused module)."""
     prefix = hf_weight_name[: -len(".weight")]
-    parent, _, proj = prefix.rpartition(".")
-    if proj in ("q_proj", "k_proj", "v_proj"):
-        return f"{parent}.qkv_proj"
-    if proj in ("gate_proj", "up_proj"):
-        return f"{parent}.gate_up_proj"
+    for fused, parts in STACKED_PROJECTIONS.items():
+        for part in parts:
+            if prefix.endswith(f".{part}"):
+                return prefix[: -len(part)] + fused
     return prefix
 
 
