@@ -51,6 +51,9 @@ def main() -> None:
     ap.add_argument("--out", default="/tmp/bench-quantize")
     ap.add_argument("--autoawq-python", help="python of a venv with autoawq (skipped when not given)")
     ap.add_argument("--methods", default="awq,gptq")
+    ap.add_argument("--autoawq-dtype", default="float32", choices=["float16", "float32", "bfloat16"],
+                    help="dtype AutoAWQ calibrates in (float32: fp16 matmuls are far slower on CPU; the "
+                         "checkpoint is saved in float16 either way, AutoAWQ's usual output)")
     args = ap.parse_args()
     out = Path(args.out)
     llmopt = str(Path(sys.executable).with_name("llmopt"))
@@ -65,7 +68,8 @@ def main() -> None:
         folder = resolve(args.model).path
         script = Path(__file__).with_name("autoawq_baseline.py")
         rows.append(run("AutoAWQ", [args.autoawq_python, str(script), "quantize", "--model", str(folder),
-                                    "--calib", args.calib, "--out", str(out / "autoawq")]))
+                                    "--calib", args.calib, "--out", str(out / "autoawq"),
+                                    "--dtype", args.autoawq_dtype, "--save-dtype", "float16"]))
     print(f"\n{'run':12} {'wall s':>8} {'quantize s':>11} {'CPU s':>8} {'peak RSS MiB':>13}")
     for r in rows:
         print(f"{r['run']:12} {r['wall_s']:8.1f} {r['quantize_s'] or 0:11.1f} {r['cpu_s']:8.1f} {r['peak_rss_mib']:13}")

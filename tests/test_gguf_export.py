@@ -322,35 +322,55 @@ def test_unknown_pre_tokenizer_warns_and_others_are_refused(caplog):
 
 
 # ---- the default model ------------------------------------------------------------------
-@pytest.mark.integration
-def test_default_model_answers_in_llama_cpp(tmp_path):
-    """F16 answers the question; Q8_0 follows that answer token by token.
+# Short chat questions on which llama.cpp's greedy answers from our F16 and Q8_0 files agree
+# for 24 tokens. Measured over 14 short prompts: 6 agree; the other 8 part at a near tie
+# (F16 top-2 logit gap 0.06-0.8), and a Q8_0 made by llama.cpp's own quantizer from the
+# same F16 agrees on 4 (docs/benchmarks.md).
+SHORT_CHATS = ["Name the three primary colors.", "What color is the sky?", "How many days are in a week?"]
 
-    Not "Q8_0 greedy == F16 greedy": the first answer token is a near tie ("The" 25.32 vs
-    "L" 25.24) that llama.cpp's Q8_0 arithmetic (8-bit activations) flips, as it does for
-    the Q4_1 file SmolLM2 ships as; our decoder on the Q8_0 weights keeps "The".
-    """
-    source = resolve("default")
-    config, tensors, tokenizer = model_inputs(source.path)
-    messages = [{"role": "user", "content": "What is the capital of France?"}]
-    prompt = tokenizer.encode_chat(messages)
-    eos = tokenizer.token_to_id(tokenizer.eos_token)
 
-    f16 = write_gguf(tmp_path / "smollm2-F16.gguf", config, tensors, tokenizer, "F16")
-    with open_llama_cpp(f16, n_ctx=128) as llm:
-        assert llm.metadata["tokenizer.ggml.pre"] == "smollm"
-        assert llm.tokenize(tokenizer.apply_chat_template(messages).encode(), add_bos=False, special=True) == prompt
-        answer: list[int] = []
+@pytest.fixture(scope="module")
+def default_f16_q8(tmp_path_factory):
+    """The default model exported as F16 and as Q8_0, plus its tokenizer."""
+    config, tensors, tokenizer = model_inputs(resolve("default").path)
+    folder = tmp_path_factory.mktemp("default-gguf")
+    f16 = write_gguf(folder / "smollm2-F16.gguf", config, tensors, tokenizer, "F16")
+    q8 = write_gguf(folder / "smollm2-Q8_0.gguf", config, tensors, tokenizer, "Q8_0")
+    return tokenizer, f16, q8
+
+
+def llama_cpp_greedy(path: Path, prompt: list[int], eos: int, max_tokens: int) -> list[int]:
+    """Greedy tokens straight from llama.cpp's logits (no sampler settings in the way)."""
+    answer: list[int] = []
+    with open_llama_cpp(path, n_ctx=256) as llm:
         llm.eval(prompt)
-        while len(answer) < 16:  # greedy, straight from the logits
+        while len(answer) < max_tokens:
             token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
             if token == eos:
                 break
             answer.append(token)
             llm.eval([token])
+    return answer
+
+
+@pytest.mark.integration
+def test_default_model_answers_in_llama_cpp(default_f16_q8):
+    """F16 answers the question; Q8_0 follows that answer token by token.
+
+    Not "Q8_0 greedy == F16 greedy" on this prompt: its first answer token is a near tie
+    ("The" 25.32 vs "L" 25.24) that llama.cpp's Q8_0 arithmetic (8-bit activations) flips, as
+    it does for the Q4_1 file SmolLM2 ships as; our decoder on the Q8_0 weights keeps "The".
+    `test_default_model_q8_0_greedy_matches_f16` checks exact greedy agreement elsewhere.
+    """
+    tokenizer, f16, q8 = default_f16_q8
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    prompt = tokenizer.encode_chat(messages)
+    with open_llama_cpp(f16, n_ctx=128) as llm:
+        assert llm.metadata["tokenizer.ggml.pre"] == "smollm"
+        assert llm.tokenize(tokenizer.apply_chat_template(messages).encode(), add_bos=False, special=True) == prompt
+    answer = llama_cpp_greedy(f16, prompt, tokenizer.token_to_id(tokenizer.eos_token), 16)
     assert "Paris" in tokenizer.decode(answer), tokenizer.decode(answer)
 
-    q8 = write_gguf(tmp_path / "smollm2-Q8_0.gguf", config, tensors, tokenizer, "Q8_0")
     with open_llama_cpp(q8, n_ctx=128) as llm:
         llm.eval(prompt + answer)
         scores = np.array(llm.scores[len(prompt) - 1: len(prompt) + len(answer) - 1])
@@ -358,3 +378,15 @@ def test_default_model_answers_in_llama_cpp(tmp_path):
     assert all(token in top for token, top in zip(answer, top2)), "Q8_0 strays from the F16 answer"
     agree = sum(int(top[0] == token) for token, top in zip(answer, top2))
     assert agree >= len(answer) - 1, f"Q8_0 agrees with F16 on {agree}/{len(answer)} answer tokens"
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("question", SHORT_CHATS)
+def test_default_model_q8_0_greedy_matches_f16(default_f16_q8, question):
+    tokenizer, f16, q8 = default_f16_q8
+    prompt = tokenizer.encode_chat([{"role": "user", "content": question}])
+    eos = tokenizer.token_to_id(tokenizer.eos_token)
+    expected = llama_cpp_greedy(f16, prompt, eos, 24)
+    assert len(expected) >= 4, tokenizer.decode(expected)
+    got = llama_cpp_greedy(q8, prompt, eos, 24)
+    assert got == expected, f"F16: {tokenizer.decode(expected)!r}\nQ8_0: {tokenizer.decode(got)!r}"
