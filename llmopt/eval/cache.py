@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -28,13 +27,14 @@ from typing import Any
 import numpy as np
 
 from llmopt.core.atomic import atomic_dir, atomic_file
+from llmopt.core.embedded import cache_root
 from llmopt.core.source import ModelSource
 
 CACHE_VERSION = 1
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("LLMOPT_CACHE") or Path.home() / ".cache" / "llmopt") / "eval"
+    return cache_root() / "eval"
 
 
 def model_identity(source: ModelSource, dtype: str, device: str) -> dict[str, Any]:

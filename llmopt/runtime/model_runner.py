@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from llmopt.kernels.cpu_paged_attention import decode_kernel
 from llmopt.kernels.paged_attention import decode_mask, paged_decode_attention, paged_prefill_attention, write_kv
 from llmopt.model.attention import AttentionBackend
 from llmopt.model.llama import LlamaForCausalLM
@@ -43,18 +44,26 @@ class PagedAttentionBackend(AttentionBackend):
         self.k_caches = k_caches  # [layers, slots, kv_heads, head_dim]
         self.v_caches = v_caches
         self.metadata: StepMetadata | None = None
+        # fp32 on CPU: decode through the C++ kernel (reads K/V from the pool, no gather) where it builds
+        cpu_fp32 = k_caches.device.type == "cpu" and k_caches.dtype == torch.float32
+        self.cpu_decode = decode_kernel() if cpu_fp32 else None
+
+    def _decode(self, q, k_cache, v_cache, md: StepMetadata, sliding_window: int | None) -> torch.Tensor:
+        if self.cpu_decode is not None:
+            return self.cpu_decode(q.contiguous(), k_cache, v_cache, md.decode_block_tables, md.decode_lens,
+                                   md.block_size, q.shape[-1] ** -0.5, -1 if sliding_window is None else sliding_window)
+        return paged_decode_attention(q, k_cache, v_cache, md.decode_block_tables, md.decode_mask(sliding_window))
 
     def forward(self, layer_idx, q, k, v, sliding_window):
         md = self.metadata
         k_cache, v_cache = self.k_caches[layer_idx], self.v_caches[layer_idx]
         write_kv(k_cache, v_cache, md.slot_mapping, k, v)
         if not md.prefills:
-            return paged_decode_attention(q, k_cache, v_cache, md.decode_block_tables, md.decode_mask(sliding_window))
+            return self._decode(q, k_cache, v_cache, md, sliding_window)
         out = torch.empty_like(q)
         n = md.num_decodes
         if n:
-            out[:n] = paged_decode_attention(q[:n], k_cache, v_cache, md.decode_block_tables,
-                                             md.decode_mask(sliding_window))
+            out[:n] = self._decode(q[:n], k_cache, v_cache, md, sliding_window)
         for start, end, slots, context_len in md.prefills:
             out[start:end] = paged_prefill_attention(q[start:end], k_cache, v_cache, slots, context_len, sliding_window)
         return out
