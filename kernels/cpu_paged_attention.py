@@ -72,18 +72,23 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
       const int64_t* table = bt + b * W;
       scores.resize(G * n);  // [G][n]: each head's scores contiguous for the softmax
       std::fill(maxes.begin(), maxes.end(), -std::numeric_limits<float>::infinity());
-      // walk the keys block by block: no division per token
-      for (int64_t t = start; t < len;) {
-        const int64_t block = t / block_size, offset = t - block * block_size;
-        const int64_t stop = std::min(len, (block + 1) * block_size);
-        const float* kr = kp + ((table[block] * block_size + offset) * KVH + kh) * D;
-        for (; t < stop; ++t, kr += KVH * D)
-          for (int64_t g = 0; g < G; ++g) {
-            const float s = dot(qg + g * D, kr, D) * fscale;
-            scores[g * n + (t - start)] = s;
-            maxes[g] = std::max(maxes[g], s);
-          }
-      }
+      // fn(i, row) for the i-th attended position's row of this kv head in `cache`, walking
+      // the block table block by block (no division per token)
+      auto for_each_row = [&](const float* cache, auto&& fn) {
+        for (int64_t t = start; t < len;) {
+          const int64_t block = t / block_size, offset = t - block * block_size;
+          const int64_t stop = std::min(len, (block + 1) * block_size);
+          const float* row = cache + ((table[block] * block_size + offset) * KVH + kh) * D;
+          for (; t < stop; ++t, row += KVH * D) fn(t - start, row);
+        }
+      };
+      for_each_row(kp, [&](int64_t i, const float* kr) {
+        for (int64_t g = 0; g < G; ++g) {
+          const float s = dot(qg + g * D, kr, D) * fscale;
+          scores[g * n + i] = s;
+          maxes[g] = std::max(maxes[g], s);
+        }
+      });
       for (int64_t g = 0; g < G; ++g) {
         float* sg = scores.data() + g * n;
         const float m = maxes[g];
@@ -95,17 +100,13 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
         sums[g] = sum;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t = start; t < len;) {
-        const int64_t block = t / block_size, offset = t - block * block_size;
-        const int64_t stop = std::min(len, (block + 1) * block_size);
-        const float* vr = vp + ((table[block] * block_size + offset) * KVH + kh) * D;
-        for (; t < stop; ++t, vr += KVH * D)
-          for (int64_t g = 0; g < G; ++g) {
-            const float p = scores[g * n + (t - start)];
-            float* __restrict__ a = acc.data() + g * D;
-            for (int64_t d = 0; d < D; ++d) a[d] += p * vr[d];
-          }
-      }
+      for_each_row(vp, [&](int64_t i, const float* vr) {
+        for (int64_t g = 0; g < G; ++g) {
+          const float p = scores[g * n + i];
+          float* __restrict__ a = acc.data() + g * D;
+          for (int64_t d = 0; d < D; ++d) a[d] += p * vr[d];
+        }
+      });
       for (int64_t g = 0; g < G; ++g) {
         float* o = op + (b * H + kh * G + g) * D;
         const float inv = 1.f / sums[g];
