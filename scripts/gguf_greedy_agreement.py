@@ -24,7 +24,7 @@ import numpy as np
 from llmopt.core import resolve
 from llmopt.core.tokenizer import Tokenizer
 from llmopt.core.weights import load_safetensors, safetensors_files
-from llmopt.quant.gguf_export import _llama_cpp_quantize, write_gguf
+from llmopt.quant.gguf_export import GGUF_TYPES, _llama_cpp_quantize, write_gguf
 
 CHATS = ["Name the three primary colors.", "What is 2 + 2?", "Write a haiku about the sea.",
          "What is the capital of France?", "Who wrote Romeo and Juliet?", "What color is the sky?",
@@ -55,6 +55,14 @@ def main() -> None:
     ap.add_argument("--llama-cpp-too", action="store_true", help="also compare llama.cpp's own quantization of the F16")
     ap.add_argument("--tokens", type=int, default=24)
     args = ap.parse_args()
+    types = args.types.split(",")
+    unknown = [t for t in types if t not in GGUF_TYPES or t == "F16"]
+    if unknown:
+        ap.error(f"unknown or F16 --types {','.join(unknown)}; choose from {', '.join(t for t in GGUF_TYPES if t != 'F16')}")
+    if args.llama_cpp_too and any(t in ("F32", "BF16") for t in types):
+        ap.error("--llama-cpp-too quantizes with llama.cpp: give quantized types (Q8_0, Q4_K_M, ...)")
+    if args.tokens < 1:
+        ap.error("--tokens must be positive")
     import llama_cpp
 
     folder = resolve(args.model).path
@@ -64,7 +72,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="gguf-agree-") as tmp:
         f16 = write_gguf(Path(tmp) / "F16.gguf", config, tensors, tokenizer, "F16")
         files = {}
-        for gguf_type in args.types.split(","):
+        for gguf_type in types:
             files[f"llmopt {gguf_type}"] = write_gguf(Path(tmp) / f"{gguf_type}.gguf", config, tensors, tokenizer, gguf_type)
             if args.llama_cpp_too:
                 made = Path(tmp) / f"{gguf_type}-llama.cpp.gguf"
