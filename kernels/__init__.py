@@ -3,6 +3,7 @@
 This folder is installed as `llmopt.kernels` only (see pyproject.toml). It must never
 be importable as a top-level `kernels` module, which transformers probes for.
 Here now: the pure-PyTorch paged attention (`paged_attention.py`) and the fp32 CPU
-decode-attention kernel in C++ (`cpu_paged_attention.py`). The Triton paged-attention and
+kernels in C++ (`csrc/`, built by `cpu_extension.py`): decode attention
+(`cpu_paged_attention.py`) and the few-row matmul of decode steps (`cpu_linear.py`). The Triton paged-attention and
 int4 dequant-matmul kernels land with the kernels issue.
 """

@@ -7,20 +7,24 @@
    scattered through a 3,200-block pool. The same K/V is reused call after call, so it
    sits in cache: an upper bound on what the kernel gains inside the model.
 2. The default model's linears at M rows (qkv 576->960, o 576->576, gate_up 576->3072,
-   down 1536->576, lm_head 576->49152): MKL (`F.linear`, what transformers runs) vs a
-   oneDNN-packed weight, and a 2048^3 GEMM for the machine's large-GEMM rate.
+   down 1536->576 in each of 30 layers, weights streamed from memory as in a decode step;
+   lm_head 576->49152): MKL (`F.linear`, what transformers runs), a oneDNN-packed weight,
+   and our skinny kernel (`llmopt.kernels.cpu_linear`); a 2048^3 GEMM for the machine's
+   large-GEMM rate.
 
-    python scripts/bench_cpu_ops.py [--context 242] [--rows 1,32]
+    python scripts/bench_cpu_ops.py [--context 242] [--rows 1,4,16,32,64] [--layers 30]
 """
 
 from __future__ import annotations
 
 import argparse
 import time
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
+from llmopt.kernels.cpu_linear import skinny_linear_kernel
 from llmopt.kernels.cpu_paged_attention import decode_kernel
 from llmopt.kernels.paged_attention import decode_mask, paged_decode_attention
 
@@ -61,27 +65,47 @@ def attention(context: int) -> None:
     print(f"  C++ kernel              {ms:7.3f} ms  ({ms / ref:.2f}x)")
 
 
-def linears(rows: list[int]) -> None:
+def linears(rows: list[int], num_layers: int) -> None:
+    """One decode step's linears, streaming `num_layers` layers of weights (as the model does),
+    and the vocabulary projection, through each back end."""
     gen = torch.Generator().manual_seed(0)
     a, b = torch.randn(2048, 2048, generator=gen), torch.randn(2048, 2048, generator=gen)
     ms = per_call_ms(lambda: a @ b)
     print(f"\nlarge GEMM 2048^3: {2 * 2048 ** 3 / ms / 1e6:.0f} GFLOPS")
-    print(f"\n{'M':>4} {'layer':8} {'MKL ms':>8} {'oneDNN ms':>10} {'ratio':>6} {'MKL GFLOPS':>11} {'max |diff|':>10}")
+    layer_shapes = [shape for name, shape in LINEARS.items() if name != "lm_head"]
+    weights = [[torch.randn(n_out, n_in, generator=gen) * 0.05 for n_in, n_out in layer_shapes]
+               for _ in range(num_layers)]
+    lm_head = torch.randn(LINEARS["lm_head"][1], LINEARS["lm_head"][0], generator=gen) * 0.05
+    skinny = skinny_linear_kernel()
+    backends: dict[str, Callable] = {"MKL": F.linear}
+    packed = {id(w): w.to_mkldnn() for w in [lm_head, *(w for layer in weights for w in layer)]}
+    backends["oneDNN"] = lambda x, w: torch.ops.mkldnn._linear_pointwise(x, packed[id(w)], None, "none", [], "")
+    if skinny is not None:
+        backends["skinny"] = skinny
+    flops_per_row = 2 * num_layers * sum(n_in * n_out for n_in, n_out in layer_shapes)
+    print(f"\n{num_layers} layers' linears ({sum(w.numel() for layer in weights for w in layer) * 4 / 2**20:.0f} MiB "
+          f"of weights, streamed) and the vocabulary projection, per step:")
+    print(f"{'M':>4} {'back end':8} {'layers ms':>10} {'GFLOPS':>7} {'lm_head ms':>11} {'max |diff| vs MKL':>18}")
     for m in rows:
-        for name, (n_in, n_out) in LINEARS.items():
-            w, x = torch.randn(n_out, n_in, generator=gen) * 0.05, torch.randn(m, n_in, generator=gen)
-            packed = w.to_mkldnn()
-            mkl = per_call_ms(lambda: F.linear(x, w))
-            onednn = per_call_ms(lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""))
-            diff = (F.linear(x, w) - torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")).abs().max()
-            gflops = 2 * m * n_in * n_out / mkl / 1e6
-            print(f"{m:4d} {name:8} {mkl:8.3f} {onednn:10.3f} {onednn / mkl:6.2f} {gflops:11.0f} {diff.item():10.1e}")
+        xs = {n_in: torch.randn(m, n_in, generator=gen) for n_in, _ in layer_shapes}
+        for name, fn in backends.items():
+            def step(fn=fn):
+                for layer in weights:
+                    for w in layer:
+                        fn(xs[w.shape[1]], w)
+            layers_ms = per_call_ms(step, min_seconds=1.0)
+            head_ms = per_call_ms(lambda fn=fn: fn(xs[576], lm_head))
+            diff = max((fn(xs[w.shape[1]], w) - F.linear(xs[w.shape[1]], w)).abs().max().item()
+                       for w in [*weights[0], lm_head])
+            print(f"{m:4d} {name:8} {layers_ms:10.1f} {m * flops_per_row / layers_ms / 1e6:7.0f} {head_ms:11.2f} "
+                  f"{diff:18.1e}")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--context", type=int, default=242)
-    ap.add_argument("--rows", default="1,32", help="comma-separated M values for the linears")
+    ap.add_argument("--rows", default="1,4,16,32,64", help="comma-separated M values for the linears")
+    ap.add_argument("--layers", type=int, default=30, help="layers of weights to stream (the default model has 30)")
     args = ap.parse_args()
     if args.context < 1:
         ap.error("--context must be positive")
@@ -92,7 +116,7 @@ def main() -> None:
     if any(r < 1 for r in rows):
         ap.error("--rows values must be positive")
     attention(args.context)
-    linears(rows)
+    linears(rows, args.layers)
 
 
 if __name__ == "__main__":

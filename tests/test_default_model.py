@@ -61,18 +61,34 @@ def test_chat_template_matches_transformers(loaded, hf):
 
 
 def test_logits_match_transformers(loaded, hf):
+    """Our fp32 logits within 1e-4 of transformers' on the same weights.
+
+    The reference is transformers run in float64: our decode-size matmuls (the C++ skinny
+    kernel, `llmopt.kernels.cpu_linear`) round differently from MKL's, and measured against
+    float64 they are the more accurate of the two (max |diff| 5.1e-5 vs transformers fp32's
+    9.3e-5 on these prompts), so ours vs transformers fp32 can reach ~1.1e-4 without either
+    being wrong. The test asserts both: within 1e-4 of the float64 reference, and no further
+    from it than transformers' own fp32 logits (plus a sliver for ties in rounding).
+    """
     model, _ = hf
+    from transformers import AutoModelForCausalLM
+
+    from llmopt.model.attention import ContiguousKVCache
+
+    model64 = AutoModelForCausalLM.from_pretrained(loaded.source.path, dtype=torch.float64).eval()
+    cfg = loaded.config
     for messages in MESSAGES:
         ids = loaded.tokenizer.encode_chat(messages)
-        from llmopt.model.attention import ContiguousKVCache
-
-        cfg = loaded.config
         cache = ContiguousKVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, len(ids))
         cache.begin_step([0], [len(ids)])
-        ours = loaded.model.compute_logits(loaded.model(torch.tensor(ids), torch.arange(len(ids)), cache))
+        ours = loaded.model.compute_logits(loaded.model(torch.tensor(ids), torch.arange(len(ids)), cache)).double()
         with torch.no_grad():
-            ref = model(torch.tensor([ids])).logits[0]
-        assert (ours - ref).abs().max().item() < 1e-4
+            ref64 = model64(torch.tensor([ids])).logits[0]
+            ref32 = model(torch.tensor([ids])).logits[0].double()
+        ours_err, theirs_err = (ours - ref64).abs().max().item(), (ref32 - ref64).abs().max().item()
+        assert ours_err < 1e-4, f"max |ours - transformers fp64| = {ours_err}"
+        assert ours_err <= theirs_err * 1.1, f"ours {ours_err} vs transformers fp32's own error {theirs_err}"
+        assert (ours - ref32).abs().max().item() < 2.5e-4  # the two fp32 computations, for scale
 
 
 def test_greedy_32_tokens_match_transformers(loaded, hf):

@@ -7,9 +7,13 @@ mapping [..., in_features] to [..., out_features] that can load its own tensors.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from llmopt.kernels.cpu_linear import SKINNY_MAX_ROWS, skinny_linear_kernel
 
 
 class LinearBase(nn.Module):
@@ -26,12 +30,16 @@ WIDE_OUTPUT = 8192  # output features above which a layer counts as "very wide"
 class DenseLinear(LinearBase):
     """A plain (fp32 / fp16 / bf16) linear layer with Hugging Face tensor names.
 
-    Very wide fp32 layers on CPU (the vocabulary projection) run through oneDNN with a
-    pre-packed weight: 1.6-2x faster than MKL's GEMM at batch 1-32 (49152x576, 2-core
-    CPU). Other layers stay on the GEMM transformers uses, which keeps our logits bitwise
-    equal to its; oneDNN there would gain ~10% per step but drift by ~1.6e-4 over 30
-    layers. The packed copy sits beside the plain weight (checkpoints and tied embeddings
-    use that one).
+    fp32 on CPU takes the fastest of three paths (`scripts/bench_cpu_ops.py`, 2-core CPU):
+    - up to `SKINNY_MAX_ROWS` rows (decode steps), our C++ kernel: MKL's GEMM re-packs the
+      weight on every call, which at few rows costs more than the arithmetic (batch 1: 14 vs
+      28 ms for the default model's 30 layers; batch 32: 57 vs 96 ms);
+    - more rows of a very wide layer (the vocabulary projection), oneDNN with a pre-packed
+      weight (1.3x MKL at 96-256 rows);
+    - everything else (prompt chunks, perplexity windows), MKL via `F.linear`, as transformers.
+    Results agree to float rounding (~3e-6 per layer); the kernel's result for a row does not
+    depend on the other rows. The packed copy sits beside the plain weight (checkpoints and
+    tied embeddings use that one).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
@@ -41,15 +49,23 @@ class DenseLinear(LinearBase):
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.onednn_weight: torch.Tensor | None = None
+        self.skinny: Callable | None = None
 
     def prepare(self) -> None:
-        """Once the weights are loaded: pack a wide fp32 CPU weight for oneDNN."""
+        """Once the weights are loaded: pick the fp32 CPU kernels this layer can use."""
         w = self.weight
-        if (self.out_features > WIDE_OUTPUT and w.device.type == "cpu" and w.dtype == torch.float32
-                and torch.backends.mkldnn.is_available()):
+        if w.device.type != "cpu" or w.dtype != torch.float32:
+            return
+        if w.is_contiguous():
+            self.skinny = skinny_linear_kernel()
+        if self.out_features > WIDE_OUTPUT and torch.backends.mkldnn.is_available():
             self.onednn_weight = w.detach().to_mkldnn()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // self.in_features
+        if self.skinny is not None and rows <= SKINNY_MAX_ROWS and x.dtype == torch.float32:
+            out = self.skinny(x.reshape(rows, self.in_features).contiguous(), self.weight, self.bias)
+            return out.view(*x.shape[:-1], self.out_features)
         if self.onednn_weight is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.onednn_weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)

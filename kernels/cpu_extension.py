@@ -1,0 +1,71 @@
+"""llmopt's CPU kernels (C++, `csrc/`), compiled once per machine on first use.
+
+Two kernels, one Python module:
+- `paged_decode`: fp32 decode attention straight from the paged KV pool
+  (`cpu_paged_attention.py` wraps it; the runtime's decode steps use it).
+- `skinny_linear`: `x @ w.T` for a few rows of x (decode batches), which MKL's GEMM handles
+  poorly (`cpu_linear.py`; `DenseLinear` uses it).
+
+They are built with `torch.utils.cpp_extension.load` (g++ and ninja) into
+`$LLMOPT_CACHE/torch_extensions/<hash>/`, the hash covering the CPU model and flags (the
+code is compiled with `-march=native` and must not move to another CPU), the torch version
+and the sources. Where the build fails (no compiler), or with `LLMOPT_CPU_KERNELS=0`,
+`cpu_ops()` returns None and every caller keeps its PyTorch path, which is also the
+reference the tests compare the kernels against.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from pathlib import Path
+from types import ModuleType
+
+log = logging.getLogger("llmopt.kernels")
+
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("bindings.cpp", "paged_decode.cpp", "skinny_linear.cpp")]
+CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+
+_UNSET = object()
+_module: object = _UNSET
+
+
+def _build_dir() -> Path:
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+        flags = next((line for line in info.splitlines() if line.startswith("flags")), "")
+        model = next((line for line in info.splitlines() if line.startswith("model name")), "")
+    except OSError:
+        flags = model = ""
+    import torch
+
+    digest = hashlib.sha256(f"{model}|{flags}|{torch.__version__}|{CFLAGS}".encode())
+    for source in SOURCES:
+        digest.update(source.read_bytes())
+    from llmopt.core.embedded import cache_root
+
+    return cache_root() / "torch_extensions" / digest.hexdigest()[:16]
+
+
+def cpu_ops() -> ModuleType | None:
+    """The compiled kernels module, or None where it cannot be built (then use PyTorch)."""
+    global _module
+    if _module is not _UNSET:
+        return _module  # type: ignore[return-value]
+    _module = None
+    if os.environ.get("LLMOPT_CPU_KERNELS", "1") == "0":
+        return None
+    try:
+        from torch.utils.cpp_extension import load
+
+        folder = _build_dir()
+        folder.mkdir(parents=True, exist_ok=True)
+        if not any(folder.glob("*.so")):
+            log.info("building llmopt's CPU kernels (once per machine, ~40 s) in %s", folder)
+        _module = load(name="llmopt_cpu_ops", sources=[str(s) for s in SOURCES], extra_cflags=CFLAGS,
+                       extra_ldflags=["-fopenmp"], build_directory=str(folder), verbose=False)
+    except Exception as exc:  # no compiler, no ninja, a build error: the PyTorch paths still work
+        log.warning("llmopt's CPU kernels unavailable (%s); using the PyTorch paths",
+                    str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+    return _module  # type: ignore[return-value]

@@ -1,0 +1,15 @@
+// The Python module of llmopt's CPU kernels (built by kernels/cpu_extension.py).
+#include <torch/extension.h>
+
+torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                           torch::Tensor block_tables, torch::Tensor context_lens,
+                           int64_t block_size, double scale, int64_t sliding_window);
+bool skinny_linear_available();
+torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode", &paged_decode, "fp32 paged decode attention");
+  m.def("skinny_linear_available", &skinny_linear_available, "built with AVX2 + FMA");
+  m.def("skinny_linear", &skinny_linear, "x @ w.T (+ bias) for few rows of x",
+        pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("bias") = pybind11::none());
+}
