@@ -39,7 +39,7 @@ def main() -> None:
         context = engine.scheduler.running[0].num_tokens
         print(f"context ~{context}: {per_step * 1e3:.1f} ms/step, {args.num_seqs / per_step:.0f} tok/s")
     profiler.disable()
-    pstats.Stats(profiler).sort_stats("tottime").print_stats(10)
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(int(__import__("os").environ.get("TOP", "10")))
 
 
 if __name__ == "__main__":

@@ -29,9 +29,10 @@ def _case(lens: list[int], heads: int, kv_heads: int, head_dim: int, block_size:
 
 @pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 4), (8, 1)])
 @pytest.mark.parametrize("sliding_window", [None, 5])
-def test_kernel_matches_pytorch_path(heads, kv_heads, sliding_window):
-    lens = [1, 4, 5, 17, 33, 64, 2]
-    block_size, head_dim = 4, 64
+@pytest.mark.parametrize("head_dim", [64, 72, 12])  # 12: not a multiple of 8, the kernel's scalar path
+def test_kernel_matches_pytorch_path(heads, kv_heads, sliding_window, head_dim):
+    lens = [1, 4, 5, 17, 33, 64, 2, 8, 16]
+    block_size = 4
     q, k_cache, v_cache, tables, context = _case(lens, heads, kv_heads, head_dim, block_size, seed=heads + kv_heads)
     mask = decode_mask(context, tables.shape[1] * block_size, sliding_window)
     expected = paged_decode_attention(q, k_cache, v_cache, tables, mask)

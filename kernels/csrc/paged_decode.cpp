@@ -9,6 +9,15 @@
 #include <limits>
 #include <vector>
 
+// Each (sequence, kv head) item: `rows[i]` is the float offset of the i-th attended position's
+// key (and value) row for that head in the pool; G query heads share those rows.
+struct Item {
+  const float* q;          // [G, D] the query heads of this kv head
+  const int64_t* rows;     // [n]
+  int64_t n, G, D;
+  float scale;
+};
+
 // 8 independent partial sums: the compiler vectorises this without reassociating floats
 static inline float dot(const float* a, const float* b, int64_t n) {
   float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
@@ -18,6 +27,31 @@ static inline float dot(const float* a, const float* b, int64_t n) {
   float s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
   for (; i < n; ++i) s += a[i] * b[i];
   return s;
+}
+
+// scores[g * n + i] = q_g . k_i * scale; returns nothing, maxes[g] = max_i scores
+static void scores_generic(const Item& it, const float* k, float* scores, float* maxes) {
+  for (int64_t i = 0; i < it.n; ++i)
+    for (int64_t g = 0; g < it.G; ++g) {
+      const float s = dot(it.q + g * it.D, k + it.rows[i], it.D) * it.scale;
+      scores[g * it.n + i] = s;
+      maxes[g] = std::max(maxes[g], s);
+    }
+}
+
+// out_g = sum_i p[g * n + i] * v_i / sums[g]
+static void values_generic(const Item& it, const float* v, const float* p, const float* sums, float* out) {
+  for (int64_t g = 0; g < it.G; ++g) {
+    float* o = out + g * it.D;
+    std::fill(o, o + it.D, 0.f);
+    for (int64_t i = 0; i < it.n; ++i) {
+      const float w = p[g * it.n + i];
+      const float* vr = v + it.rows[i];
+      for (int64_t d = 0; d < it.D; ++d) o[d] += w * vr[d];
+    }
+    const float inv = 1.f / sums[g];
+    for (int64_t d = 0; d < it.D; ++d) o[d] *= inv;
+  }
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -67,7 +101,87 @@ static inline float exp_shifted(float* s, int64_t n, float m) {
   return sum;
 }
 
+
+static inline void prefetch_row(const float* row, int64_t n) {
+  for (int64_t d = 0; d < n; d += 16) _mm_prefetch(reinterpret_cast<const char*>(row + d), _MM_HINT_T0);
+}
+
+// the 8 lane-sums of a[0..7], as one vector
+static inline __m256 reduce8(const __m256* a) {
+  const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+  const __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+// D % 8 == 0: 8 keys at a time, 8 independent FMA chains, one vector of 8 scores per head
+static void scores_avx2(const Item& it, const float* k, float* scores, float* maxes) {
+  const int64_t n = it.n, D = it.D;
+  const __m256 vscale = _mm256_set1_ps(it.scale);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const float* kr[8];
+    for (int r = 0; r < 8; ++r) kr[r] = k + it.rows[i + r];
+    if (i + 16 <= n)  // the next 8 keys from memory while these 8 are computed (rows are scattered)
+      for (int r = 0; r < 8; ++r) prefetch_row(k + it.rows[i + 8 + r], D);
+    for (int64_t g = 0; g < it.G; ++g) {
+      const float* qg = it.q + g * D;
+      __m256 acc[8];
+      for (int r = 0; r < 8; ++r) acc[r] = _mm256_setzero_ps();
+      for (int64_t d = 0; d < D; d += 8) {
+        const __m256 qv = _mm256_loadu_ps(qg + d);
+        for (int r = 0; r < 8; ++r) acc[r] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr[r] + d), acc[r]);
+      }
+      const __m256 s = _mm256_mul_ps(reduce8(acc), vscale);
+      _mm256_storeu_ps(scores + g * n + i, s);
+      float lanes[8];
+      _mm256_storeu_ps(lanes, s);
+      for (int r = 0; r < 8; ++r) maxes[g] = std::max(maxes[g], lanes[r]);
+    }
+  }
+  for (; i < n; ++i)
+    for (int64_t g = 0; g < it.G; ++g) {
+      __m256 acc = _mm256_setzero_ps();
+      for (int64_t d = 0; d < D; d += 8)
+        acc = _mm256_fmadd_ps(_mm256_loadu_ps(it.q + g * D + d), _mm256_loadu_ps(k + it.rows[i] + d), acc);
+      __m256 one[8] = {acc, acc, acc, acc, acc, acc, acc, acc};  // same reduction as the 8-key path
+      float lanes[8];
+      _mm256_storeu_ps(lanes, reduce8(one));
+      const float s = lanes[0] * it.scale;
+      scores[g * n + i] = s;
+      maxes[g] = std::max(maxes[g], s);
+    }
+}
+
+// D % 8 == 0: per head, up to 64 output floats in 8 accumulators across all rows
+static void values_avx2(const Item& it, const float* v, const float* p, const float* sums, float* out) {
+  const int64_t n = it.n, D = it.D;
+  for (int64_t g = 0; g < it.G; ++g) {
+    const float* pg = p + g * n;
+    const __m256 inv = _mm256_set1_ps(1.f / sums[g]);
+    for (int64_t d0 = 0; d0 < D; d0 += 64) {
+      const int chunks = static_cast<int>(std::min<int64_t>(8, (D - d0) / 8));
+      __m256 acc[8];
+      for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
+      for (int64_t i = 0; i < n; ++i) {
+        if (i + 4 < n) prefetch_row(v + it.rows[i + 4] + d0, std::min<int64_t>(64, D - d0));
+        const __m256 w = _mm256_set1_ps(pg[i]);
+        const float* vr = v + it.rows[i] + d0;
+        if (chunks == 8) {
+          for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr + 8 * j), acc[j]);
+        } else {
+          for (int j = 0; j < chunks; ++j) acc[j] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr + 8 * j), acc[j]);
+        }
+      }
+      for (int j = 0; j < chunks; ++j) _mm256_storeu_ps(out + g * D + d0 + 8 * j, _mm256_mul_ps(acc[j], inv));
+    }
+  }
+}
+
+static constexpr bool kHaveAvx2 = true;
+
 #else
+
 
 static inline float exp_shifted(float* s, int64_t n, float m) {
   float sum = 0.f;
@@ -77,6 +191,11 @@ static inline float exp_shifted(float* s, int64_t n, float m) {
   }
   return sum;
 }
+
+
+static void scores_avx2(const Item&, const float*, float*, float*) {}
+static void values_avx2(const Item&, const float*, const float*, const float*, float*) {}
+static constexpr bool kHaveAvx2 = false;
 
 #endif
 
@@ -98,49 +217,36 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   const int64_t* bt = tables.data_ptr<int64_t>();
   const int64_t* lp = lens.data_ptr<int64_t>();
   float* op = out.data_ptr<float>();
-  const float fscale = static_cast<float>(scale);
+  const bool vectorised = kHaveAvx2 && D % 8 == 0;
 
   at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, acc(G * D), maxes(G), sums(G);
+    std::vector<float> scores, maxes(G), sums(G);
+    std::vector<int64_t> rows;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / KVH, kh = item % KVH, len = lp[b];
       const int64_t start = sliding_window > 0 ? std::max<int64_t>(0, len - sliding_window) : 0;
       const int64_t n = len - start;
-      const float* qg = qp + (b * H + kh * G) * D;
       const int64_t* table = bt + b * W;
+      // walk the block table once: where each attended position's row of this kv head is
+      rows.resize(n);
+      for (int64_t t = start; t < len;) {
+        const int64_t block = t / block_size, stop = std::min(len, (block + 1) * block_size);
+        int64_t row = ((table[block] * block_size + t - block * block_size) * KVH + kh) * D;
+        for (; t < stop; ++t, row += KVH * D) rows[t - start] = row;
+      }
+      const Item it{qp + (b * H + kh * G) * D, rows.data(), n, G, D, static_cast<float>(scale)};
       scores.resize(G * n);  // [G][n]: each head's scores contiguous for the softmax
       std::fill(maxes.begin(), maxes.end(), -std::numeric_limits<float>::infinity());
-      // fn(i, row) for the i-th attended position's row of this kv head in `cache`, walking
-      // the block table block by block (no division per token)
-      auto for_each_row = [&](const float* cache, auto&& fn) {
-        for (int64_t t = start; t < len;) {
-          const int64_t block = t / block_size, offset = t - block * block_size;
-          const int64_t stop = std::min(len, (block + 1) * block_size);
-          const float* row = cache + ((table[block] * block_size + offset) * KVH + kh) * D;
-          for (; t < stop; ++t, row += KVH * D) fn(t - start, row);
-        }
-      };
-      for_each_row(kp, [&](int64_t i, const float* kr) {
-        for (int64_t g = 0; g < G; ++g) {
-          const float s = dot(qg + g * D, kr, D) * fscale;
-          scores[g * n + i] = s;
-          maxes[g] = std::max(maxes[g], s);
-        }
-      });
+      if (vectorised)
+        scores_avx2(it, kp, scores.data(), maxes.data());
+      else
+        scores_generic(it, kp, scores.data(), maxes.data());
       for (int64_t g = 0; g < G; ++g) sums[g] = exp_shifted(scores.data() + g * n, n, maxes[g]);
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for_each_row(vp, [&](int64_t i, const float* vr) {
-        for (int64_t g = 0; g < G; ++g) {
-          const float p = scores[g * n + i];
-          float* __restrict__ a = acc.data() + g * D;
-          for (int64_t d = 0; d < D; ++d) a[d] += p * vr[d];
-        }
-      });
-      for (int64_t g = 0; g < G; ++g) {
-        float* o = op + (b * H + kh * G + g) * D;
-        const float inv = 1.f / sums[g];
-        for (int64_t d = 0; d < D; ++d) o[d] = acc[g * D + d] * inv;
-      }
+      float* o = op + (b * H + kh * G) * D;
+      if (vectorised)
+        values_avx2(it, vp, scores.data(), sums.data(), o);
+      else
+        values_generic(it, vp, scores.data(), sums.data(), o);
     }
   });
   return out;
