@@ -1,10 +1,12 @@
 """llmopt's CPU kernels (C++, `csrc/`), compiled once per machine on first use.
 
-Two kernels, one Python module:
+One Python module:
 - `paged_decode`: fp32 decode attention straight from the paged KV pool
   (`cpu_paged_attention.py` wraps it; the runtime's decode steps use it).
 - `skinny_linear`: `x @ w.T` for a few rows of x (decode batches), which MKL's GEMM handles
   poorly (`cpu_linear.py`; `DenseLinear` uses it).
+- `rms_norm`, `add_rms_norm`, `rotary_embedding_`, `silu_and_mul`: the small per-layer ops
+  fused (`cpu_fused.py`; the decoder in `llmopt/model/llama.py` uses them).
 
 They are built with `torch.utils.cpp_extension.load` (g++ and ninja) into
 `$LLMOPT_CACHE/torch_extensions/<hash>/`, the hash covering the CPU model and flags (the
@@ -24,7 +26,8 @@ from types import ModuleType
 
 log = logging.getLogger("llmopt.kernels")
 
-SOURCES = [Path(__file__).parent / "csrc" / name for name in ("bindings.cpp", "paged_decode.cpp", "skinny_linear.cpp")]
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = [CSRC / name for name in ("bindings.cpp", "paged_decode.cpp", "skinny_linear.cpp", "fused_ops.cpp")]
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 
 _UNSET = object()
@@ -41,8 +44,8 @@ def _build_dir() -> Path:
     import torch
 
     digest = hashlib.sha256(f"{model}|{flags}|{torch.__version__}|{CFLAGS}".encode())
-    for source in SOURCES:
-        digest.update(source.read_bytes())
+    for source in sorted(CSRC.iterdir()):  # the .cpp files and the headers they include
+        digest.update(source.name.encode() + source.read_bytes())
     from llmopt.core.embedded import cache_root
 
     return cache_root() / "torch_extensions" / digest.hexdigest()[:16]
@@ -69,3 +72,9 @@ def cpu_ops() -> ModuleType | None:
         log.warning("llmopt's CPU kernels unavailable (%s); using the PyTorch paths",
                     str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
     return _module  # type: ignore[return-value]
+
+
+def kernels_identity() -> str | None:
+    """What the CPU kernels' numerics depend on (sources, flags, CPU, torch), or None when
+    they are not in use: caches of computed scores include it in their keys."""
+    return _build_dir().name if cpu_ops() is not None else None

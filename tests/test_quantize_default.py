@@ -32,11 +32,15 @@ def generate(model: Path, *extra: str) -> str:
     return out
 
 
-@pytest.mark.parametrize("method", ["awq", "gptq"])
-def test_int4_checkpoint_still_knows_paris(method, calib_text, tmp_path):
+# GPTQ runs on the issue's calibration size (64 x 256 tokens, ~70 s): with only 8 x 128 its
+# int4 rounding decisions follow float-rounding noise in the calibration pass (the fused CPU
+# kernels vs PyTorch's ops), and the chat answer's first token, a near tie between "The" and
+# "L'", lands either way. AWQ's scale search is stable at 8 x 128.
+@pytest.mark.parametrize("method,samples,seq_len", [("awq", 8, 128), ("gptq", 64, 256)])
+def test_int4_checkpoint_still_knows_paris(method, samples, seq_len, calib_text, tmp_path):
     out = tmp_path / method
     code, err, stdout = run_cli("quantize", "default", "-o", str(out), "--method", method, "--calib", str(calib_text),
-                                "--num-samples", "8", "--seq-len", "128", "--json")
+                                "--num-samples", str(samples), "--seq-len", str(seq_len), "--json")
     assert code == 0, err
     report = json.loads(stdout)
     assert report["size_after_bytes"] < report["size_before_bytes"] / 3

@@ -13,14 +13,7 @@
 #include <ATen/Parallel.h>
 
 #if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-
-static inline float hsum8(__m256 v) {
-  __m128 r = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  r = _mm_add_ps(r, _mm_movehl_ps(r, r));
-  r = _mm_add_ss(r, _mm_movehdup_ps(r));
-  return _mm_cvtss_f32(r);
-}
+#include "vec_math.h"
 
 // out[m][j] = dot(x[m], w[j]) for MT rows of x and NT rows of w, both with row stride K
 template <int NT, int MT>

@@ -2,7 +2,8 @@
 
 Entries live under `$LLMOPT_CACHE/eval/` and are keyed by the sha256 of everything the
 scores depend on: the model's files (path, config.json, and every file's name, size and
-mtime, so a checkpoint rewritten in place misses), dtype and device, the data (a hash of the
+mtime, so a checkpoint rewritten in place misses), dtype and device, the CPU kernels in use
+(their sources and build: they round differently from PyTorch's ops), the data (a hash of the
 text or questions) and the task's settings, plus `CACHE_VERSION` (bumped when what we
 compute changes). A key never says *which* inputs changed; a miss simply recomputes.
 
@@ -29,8 +30,9 @@ import numpy as np
 from llmopt.core.atomic import atomic_dir, atomic_file
 from llmopt.core.embedded import cache_root
 from llmopt.core.source import ModelSource
+from llmopt.kernels.cpu_extension import kernels_identity
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: the C++ CPU kernels (skinny matmul, fused ops) changed fp32 rounding
 
 
 def cache_dir() -> Path:
@@ -45,7 +47,9 @@ def model_identity(source: ModelSource, dtype: str, device: str) -> dict[str, An
     for p in entries:
         st = p.stat()
         files.append([p.name, st.st_size, st.st_mtime_ns])
-    return {"path": str(path), "config": source.raw_config, "files": files, "dtype": dtype, "device": device}
+    kernels = kernels_identity() if str(device).startswith("cpu") else None
+    return {"path": str(path), "config": source.raw_config, "files": files, "dtype": dtype, "device": device,
+            "cpu_kernels": kernels}
 
 
 def make_key(*parts: Any) -> str:

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llmopt.kernels.cpu_fused import use_fused
 from llmopt.model.attention import AttentionBackend
 from llmopt.model.linear import make_linear
 from llmopt.model.rope import RotaryEmbedding, apply_rotary
@@ -43,7 +44,20 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """norm(x); or, given the residual stream, (norm(residual + x), residual + x) as vLLM's
+        fused add-RMSNorm. fp32 on CPU runs the C++ fused op (`llmopt.kernels.cpu_fused`)."""
+        ops = use_fused(x) if x.dim() == 2 and self.weight.dtype is torch.float32 else None
+        if ops is not None:
+            if residual is None:
+                return ops.rms_norm(x.contiguous(), self.weight, self.eps)
+            return tuple(ops.add_rms_norm(x.contiguous(), residual.contiguous(), self.weight, self.eps))
+        if residual is None:
+            return self._norm(x)
+        summed = residual + x
+        return self._norm(summed), summed
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         # normalise in fp32 like the reference implementation, then cast back
         dtype = x.dtype
         x = x.float()
@@ -68,9 +82,14 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, attn: AttentionBackend) -> torch.Tensor:
         n = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rotary(q.view(n, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rotary(k.view(n, self.num_kv_heads, self.head_dim), cos, sin)
+        q = q.view(n, self.num_heads, self.head_dim)
+        k = k.view(n, self.num_kv_heads, self.head_dim)
         v = v.view(n, self.num_kv_heads, self.head_dim)
+        ops = use_fused(q)
+        if ops is not None and cos.is_contiguous() and sin.is_contiguous():
+            ops.rotary_embedding_(q, k, cos, sin)  # in place: q and k are views of the fresh qkv output
+        else:
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = attn.forward(self.layer_idx, q, k, v, self.sliding_window)
         return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
 
@@ -85,7 +104,11 @@ class MLP(nn.Module):
         self.down_proj = make_linear(i, h, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        ops = use_fused(gate_up) if gate_up.dim() == 2 else None
+        if ops is not None:
+            return self.down_proj(ops.silu_and_mul(gate_up.contiguous()))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -98,8 +121,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, x, cos, sin, attn: AttentionBackend) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.self_attn(self.input_layernorm(x), cos, sin, attn)
+        h, x = self.post_attention_layernorm(h, residual=x)  # x = x + h; h = norm(x)
+        return x + self.mlp(h)
 
 
 class LlamaModel(nn.Module):

@@ -1,0 +1,36 @@
+"""The decoder's small per-layer ops fused in C++ for fp32 on CPU (`csrc/fused_ops.cpp`).
+
+RMSNorm (optionally with the residual add before it), rotary embedding in place on q and
+k, and silu(gate) * up: between a layer's matmuls these are ~25 PyTorch ops whose dispatch
+costs more than their arithmetic on a decode step. The PyTorch versions in
+`llmopt/model/llama.py` and `rope.py` stay the reference (tests/test_cpu_fused_ops.py) and
+the path for other dtypes and devices.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+
+from llmopt.kernels.cpu_extension import cpu_ops
+
+_UNSET = object()
+_ops: object = _UNSET
+
+
+def fused_ops() -> ModuleType | None:
+    """The module with `rms_norm`, `add_rms_norm`, `rotary_embedding_`, `silu_and_mul`, or None
+    where the CPU kernels cannot be built or the CPU lacks AVX2/FMA."""
+    global _ops
+    if _ops is _UNSET:
+        ops = cpu_ops()
+        _ops = ops if ops is not None and ops.fused_ops_available() else None
+    return _ops  # type: ignore[return-value]
+
+
+def use_fused(x: torch.Tensor) -> ModuleType | None:
+    """The fused ops if they apply to `x` (fp32 on CPU), else None."""
+    if x.dtype is not torch.float32 or x.device.type != "cpu":
+        return None
+    return fused_ops()

@@ -1,0 +1,145 @@
+// The small per-layer ops of a decoder step, fused (fp32, CPU, AVX2 + FMA).
+//
+// Between the matmuls of a layer sit ~25 small PyTorch ops (RMSNorm's pow/mean/add/rsqrt/mul,
+// rope's cat/neg/mul/add, silu, the gate*up product, a residual add). On a 32-token decode
+// step each one is a few microseconds of arithmetic but tens of microseconds of dispatch, ~12 ms
+// of a ~110 ms step on the default model. Each function here does one of those groups in one
+// pass over the rows. Same formulas as the PyTorch reference in llmopt/model (checked against it
+// in tests/test_cpu_fused_ops.py); only the summation order of the RMS differs.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <cmath>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include "vec_math.h"
+
+// rows per thread chunk: a decode batch (tens of rows) runs on one thread, no wake-up cost
+static inline int64_t grain_for(int64_t cols) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(cols, 1)); }
+
+// out = w * (x / sqrt(mean(x^2) + eps)) for one row of h floats
+static inline void rms_norm_row(const float* x, const float* w, float* out, int64_t h, float eps) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= h; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    acc = _mm256_fmadd_ps(v, v, acc);
+  }
+  float ss = hsum8(acc);
+  for (; i < h; ++i) ss += x[i] * x[i];
+  const float r = 1.f / std::sqrt(ss / static_cast<float>(h) + eps);
+  for (i = 0; i < h; ++i) out[i] = w[i] * (x[i] * r);
+}
+
+static void check_rows(const torch::Tensor& x, const torch::Tensor& w, const char* name) {
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && w.dtype() == torch::kFloat32, name, ": fp32 only");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && w.is_contiguous() && w.numel() == x.size(1),
+              name, ": x [rows, hidden] contiguous, weight [hidden]");
+}
+
+bool fused_ops_available() { return true; }
+
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
+  check_rows(x, w, "rms_norm");
+  const int64_t n = x.size(0), h = x.size(1);
+  auto out = torch::empty_like(x);
+  const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, n, grain_for(h), [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) rms_norm_row(xp + r * h, wp, op + r * h, h, static_cast<float>(eps));
+  });
+  return out;
+}
+
+// (w * norm(x + residual), x + residual): the residual add and the next RMSNorm in one pass
+std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor w, double eps) {
+  check_rows(x, w, "add_rms_norm");
+  TORCH_CHECK(residual.sizes() == x.sizes() && residual.is_contiguous() && residual.dtype() == torch::kFloat32,
+              "add_rms_norm: residual like x");
+  const int64_t n = x.size(0), h = x.size(1);
+  auto summed = torch::empty_like(x);
+  auto out = torch::empty_like(x);
+  const float *xp = x.data_ptr<float>(), *rp = residual.data_ptr<float>(), *wp = w.data_ptr<float>();
+  float *sp = summed.data_ptr<float>(), *op = out.data_ptr<float>();
+  at::parallel_for(0, n, grain_for(h), [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) {
+      for (int64_t i = 0; i < h; ++i) sp[r * h + i] = rp[r * h + i] + xp[r * h + i];
+      rms_norm_row(sp + r * h, wp, op + r * h, h, static_cast<float>(eps));
+    }
+  });
+  return {out, summed};
+}
+
+// rope in the "rotate half" layout, in place: for each head, with half = D / 2,
+//   x[i]        <- x[i] * cos[i] - x[i + half] * sin[i]
+//   x[i + half] <- x[i + half] * cos[i + half] + x[i] * sin[i + half]
+// x: [tokens, heads, D] with unit stride along D (rows and heads may be strided, e.g. views
+// into the fused qkv output); cos, sin: [tokens, D] contiguous
+static void rotary_one(torch::Tensor& x, const float* cp, const float* sp) {
+  const int64_t n = x.size(0), heads = x.size(1), D = x.size(2), half = D / 2;
+  const int64_t s0 = x.stride(0), s1 = x.stride(1);
+  float* xp = x.data_ptr<float>();
+  at::parallel_for(0, n, grain_for(heads * D), [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+      const float* c = cp + t * D;
+      const float* s = sp + t * D;
+      for (int64_t hd = 0; hd < heads; ++hd) {
+        float* v = xp + t * s0 + hd * s1;
+        for (int64_t i = 0; i < half; ++i) {
+          const float lo = v[i], hi = v[i + half];
+          v[i] = lo * c[i] - hi * s[i];
+          v[i + half] = hi * c[i + half] + lo * s[i + half];
+        }
+      }
+    }
+  });
+}
+
+void rotary_embedding_(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor sin) {
+  for (const auto* t : {&q, &k})
+    TORCH_CHECK(t->dtype() == torch::kFloat32 && t->dim() == 3 && t->stride(2) == 1 && t->size(2) % 2 == 0,
+                "rotary_embedding_: q, k fp32 [tokens, heads, D], unit stride along D, D even");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.dtype() == torch::kFloat32 &&
+                  cos.sizes() == sin.sizes() && cos.dim() == 2 && cos.size(0) == q.size(0) &&
+                  cos.size(1) == q.size(2) && k.size(0) == q.size(0) && k.size(2) == q.size(2),
+              "rotary_embedding_: cos, sin fp32 [tokens, D] contiguous");
+  rotary_one(q, cos.data_ptr<float>(), sin.data_ptr<float>());
+  rotary_one(k, cos.data_ptr<float>(), sin.data_ptr<float>());
+}
+
+// x [rows, 2 * I] = [gate | up] -> silu(gate) * up [rows, I]
+torch::Tensor silu_and_mul(torch::Tensor x) {
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous() && x.size(1) % 2 == 0,
+              "silu_and_mul: x fp32 [rows, 2 * I] contiguous");
+  const int64_t n = x.size(0), I = x.size(1) / 2;
+  auto out = torch::empty({n, I}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, n, grain_for(2 * I), [&](int64_t b, int64_t e) {
+    const __m256 one = _mm256_set1_ps(1.f);
+    for (int64_t r = b; r < e; ++r) {
+      const float* g = xp + r * 2 * I;
+      const float* u = g + I;
+      float* o = op + r * I;
+      int64_t i = 0;
+      for (; i + 8 <= I; i += 8) {
+        const __m256 gv = _mm256_loadu_ps(g + i);
+        const __m256 sig = _mm256_div_ps(gv, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv))));
+        _mm256_storeu_ps(o + i, _mm256_mul_ps(sig, _mm256_loadu_ps(u + i)));
+      }
+      for (; i < I; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+    }
+  });
+  return out;
+}
+
+#else  // no AVX2 + FMA: the model keeps its PyTorch ops (fused_ops_available() says so)
+
+bool fused_ops_available() { return false; }
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor, double) { TORCH_CHECK(false, "built without AVX2/FMA"); }
+std::vector<torch::Tensor> add_rms_norm(torch::Tensor, torch::Tensor, torch::Tensor, double) {
+  TORCH_CHECK(false, "built without AVX2/FMA");
+}
+void rotary_embedding_(torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor) { TORCH_CHECK(false, "built without AVX2/FMA"); }
+torch::Tensor silu_and_mul(torch::Tensor) { TORCH_CHECK(false, "built without AVX2/FMA"); }
+
+#endif

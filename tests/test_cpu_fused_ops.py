@@ -1,0 +1,73 @@
+"""The fused C++ per-layer ops against the decoder's PyTorch reference code."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from llmopt.kernels.cpu_fused import fused_ops, use_fused
+from llmopt.model.llama import RMSNorm
+from llmopt.model.rope import apply_rotary
+
+ops = fused_ops()
+pytestmark = pytest.mark.skipif(ops is None, reason="the CPU kernels could not be built here (or no AVX2/FMA)")
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.mark.parametrize("rows,hidden", [(1, 576), (32, 576), (300, 64), (5, 13)])
+def test_rms_norm_and_fused_add(rows, hidden):
+    gen = _gen(rows + hidden)
+    norm = RMSNorm(hidden, 1e-5)
+    norm.weight.data = torch.rand(hidden, generator=gen) + 0.5
+    x, residual = torch.randn(rows, hidden, generator=gen) * 3, torch.randn(rows, hidden, generator=gen)
+    torch.testing.assert_close(ops.rms_norm(x, norm.weight, norm.eps), norm._norm(x), rtol=2e-6, atol=2e-6)
+    out, summed = ops.add_rms_norm(x, residual, norm.weight, norm.eps)
+    assert torch.equal(summed, residual + x)  # one fp32 add: exact
+    torch.testing.assert_close(out, norm._norm(residual + x), rtol=2e-6, atol=2e-6)
+    # the module picks the fused op for fp32 CPU rows, and the inputs are left alone
+    x_before = x.clone()
+    got_out, got_summed = norm(x, residual=residual)
+    assert torch.equal(got_out, out) and torch.equal(got_summed, summed) and torch.equal(x, x_before)
+
+
+def test_rotary_in_place_on_strided_views():
+    gen = _gen(1)
+    n, heads, kv_heads, d = 7, 9, 3, 64
+    qkv = torch.randn(n, (heads + 2 * kv_heads) * d, generator=gen)
+    q, k, _ = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
+    q, k = q.view(n, heads, d), k.view(n, kv_heads, d)
+    angles = torch.rand(n, d // 2, generator=gen) * 20
+    cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
+    want_q, want_k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+    v_before = qkv[:, (heads + kv_heads) * d:].clone()
+    ops.rotary_embedding_(q, k, cos, sin)
+    torch.testing.assert_close(q, want_q, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(k, want_k, rtol=1e-6, atol=1e-6)
+    assert torch.equal(qkv[:, (heads + kv_heads) * d:], v_before)  # v untouched
+
+
+@pytest.mark.parametrize("rows,inter", [(1, 1536), (32, 1536), (3, 13)])
+def test_silu_and_mul(rows, inter):
+    gen = _gen(rows + inter)
+    x = torch.randn(rows, 2 * inter, generator=gen) * 6
+    x[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -30.0])  # saturation and zero
+    gate, up = x.split(inter, dim=-1)
+    torch.testing.assert_close(ops.silu_and_mul(x), F.silu(gate) * up, rtol=2e-6, atol=1e-6)
+
+
+def test_bad_shapes_are_refused():
+    with pytest.raises(RuntimeError, match="2 \\* I"):
+        ops.silu_and_mul(torch.randn(2, 3))
+    with pytest.raises(RuntimeError, match="hidden"):
+        ops.rms_norm(torch.randn(2, 4), torch.ones(5), 1e-6)
+    with pytest.raises(RuntimeError, match="unit stride"):
+        ops.rotary_embedding_(torch.randn(2, 8, 3).transpose(1, 2), torch.randn(2, 3, 8), torch.ones(2, 8), torch.ones(2, 8))
+
+
+def test_only_fp32_cpu_uses_them():
+    assert use_fused(torch.ones(2, 2)) is ops
+    assert use_fused(torch.ones(2, 2, dtype=torch.bfloat16)) is None
