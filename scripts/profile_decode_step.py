@@ -3,7 +3,7 @@
 
 32 chat requests run together; prints ms per step as their context grows, then the top
 functions by own time (cProfile) over the last 40 steps.
-Usage: python scripts/profile_decode_step.py [--num-seqs 32]
+Usage: python scripts/profile_decode_step.py [--num-seqs 32] [--top 10]
 """
 
 from __future__ import annotations
@@ -21,7 +21,10 @@ from llmopt.runtime.llm import LLM
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--num-seqs", type=int, default=32)
+    ap.add_argument("--top", type=int, default=10, help="functions to list from the profile")
     args = ap.parse_args()
+    if args.num_seqs < 1 or args.top < 1:
+        ap.error("--num-seqs and --top must be positive")
     engine = LLM(load("default", dtype="float32"), max_num_seqs=args.num_seqs).engine
     for i in range(args.num_seqs):
         engine.add_request([{"role": "user", "content": f"Tell me fact number {i} about the ocean."}],
@@ -39,7 +42,7 @@ def main() -> None:
         context = engine.scheduler.running[0].num_tokens
         print(f"context ~{context}: {per_step * 1e3:.1f} ms/step, {args.num_seqs / per_step:.0f} tok/s")
     profiler.disable()
-    pstats.Stats(profiler).sort_stats("tottime").print_stats(int(__import__("os").environ.get("TOP", "10")))
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(args.top)
 
 
 if __name__ == "__main__":
