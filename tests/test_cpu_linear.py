@@ -72,3 +72,6 @@ def test_dense_linear_uses_the_kernel_for_few_rows_only():
     assert torch.equal(out.reshape(6, 48), kernel(few.reshape(6, 64), layer.weight, layer.bias))
     many = torch.randn(SKINNY_MAX_ROWS + 1, 64, generator=gen)
     assert torch.equal(layer(many), F.linear(many, layer.weight, layer.bias))  # MKL, as transformers
+    # cast after prepare(): the kernel (fp32 only) is skipped, not crashed into
+    layer.to(torch.float64)
+    assert torch.equal(layer(few.double()), F.linear(few.double(), layer.weight, layer.bias))

@@ -63,7 +63,10 @@ class DenseLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
-        if self.skinny is not None and rows <= SKINNY_MAX_ROWS and x.dtype == torch.float32:
+        w = self.weight
+        # re-checked per call (cheap): weights may have been moved, cast or replaced since prepare()
+        if (self.skinny is not None and rows <= SKINNY_MAX_ROWS and x.dtype is torch.float32 and x.device.type == "cpu"
+                and w.dtype is torch.float32 and w.device.type == "cpu" and w.is_contiguous()):
             out = self.skinny(x.reshape(rows, self.in_features).contiguous(), self.weight, self.bias)
             return out.view(*x.shape[:-1], self.out_features)
         if self.onednn_weight is not None:
