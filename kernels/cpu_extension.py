@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import shutil
 from pathlib import Path
 from types import ModuleType
 
@@ -51,6 +52,18 @@ def _build_dir() -> Path:
     return cache_root() / "torch_extensions" / digest.hexdigest()[:16]
 
 
+def _put_ninja_on_path() -> None:
+    """torch runs `ninja` from PATH; the `ninja` wheel (a dependency) sits in the venv's bin
+    folder, which is not on PATH when `.venv/bin/llmopt` runs without activating the venv."""
+    if shutil.which("ninja") is None:
+        try:
+            import ninja
+
+            os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+        except ImportError:
+            pass  # the build then fails with a clear message and the PyTorch paths are used
+
+
 def cpu_ops() -> ModuleType | None:
     """The compiled kernels module, or None where it cannot be built (then use PyTorch)."""
     global _module
@@ -62,6 +75,7 @@ def cpu_ops() -> ModuleType | None:
     try:
         from torch.utils.cpp_extension import load
 
+        _put_ninja_on_path()
         folder = _build_dir()
         folder.mkdir(parents=True, exist_ok=True)
         if not any(folder.glob("*.so")):
