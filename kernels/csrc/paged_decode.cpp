@@ -1,7 +1,9 @@
 // Paged decode attention for fp32 on CPU: one query token per sequence against its K/V,
 // read straight from the block pool through the block table (no gather), each key and value
 // row once for all the query heads that share it (grouped-query attention). Two-pass softmax
-// per (sequence, kv head). The pure-PyTorch path (kernels/paged_attention.py) is the reference.
+// per (sequence, kv head). With AVX2 + FMA and head_dim % 8 == 0: 8 keys per group of FMA chains,
+// vectorised exp, prefetch of the next scattered rows; otherwise plain loops. The pure-PyTorch
+// path (kernels/paged_attention.py) is the reference.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
@@ -29,7 +31,7 @@ static inline float dot(const float* a, const float* b, int64_t n) {
   return s;
 }
 
-// scores[g * n + i] = q_g . k_i * scale; returns nothing, maxes[g] = max_i scores
+// scores[g * n + i] = q_g . k_i * scale, and maxes[g] = max_i of them
 static void scores_generic(const Item& it, const float* k, float* scores, float* maxes) {
   for (int64_t i = 0; i < it.n; ++i)
     for (int64_t g = 0; g < it.G; ++g) {
