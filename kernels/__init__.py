@@ -4,6 +4,7 @@ This folder is installed as `llmopt.kernels` only (see pyproject.toml). It must 
 be importable as a top-level `kernels` module, which transformers probes for.
 Here now: the pure-PyTorch paged attention (`paged_attention.py`) and the fp32 CPU
 kernels in C++ (`csrc/`, built by `cpu_extension.py`): decode attention
-(`cpu_paged_attention.py`) and the few-row matmul of decode steps (`cpu_linear.py`). The Triton paged-attention and
-int4 dequant-matmul kernels land with the kernels issue.
+(`cpu_paged_attention.py`), the few-row matmul of decode steps (`cpu_linear.py`) and the
+fused RMSNorm / rope / silu*up (`cpu_fused.py`). The Triton paged-attention and int4
+dequant-matmul kernels land with the kernels issue.
 """

@@ -18,6 +18,7 @@ reference the tests compare the kernels against.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -31,11 +32,10 @@ CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / name for name in ("bindings.cpp", "paged_decode.cpp", "skinny_linear.cpp", "fused_ops.cpp")]
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 
-_UNSET = object()
-_module: object = _UNSET
 
-
-def _build_dir() -> Path:
+@functools.cache
+def _digest() -> str:
+    """Hash of what the compiled code depends on: CPU model and flags, torch, flags, sources."""
     try:
         info = Path("/proc/cpuinfo").read_text()
         flags = next((line for line in info.splitlines() if line.startswith("flags")), "")
@@ -45,11 +45,9 @@ def _build_dir() -> Path:
     import torch
 
     digest = hashlib.sha256(f"{model}|{flags}|{torch.__version__}|{CFLAGS}".encode())
-    for source in sorted(CSRC.iterdir()):  # the .cpp files and the headers they include
+    for source in sorted(p for p in CSRC.iterdir() if p.is_file()):  # .cpp files and the headers they include
         digest.update(source.name.encode() + source.read_bytes())
-    from llmopt.core.embedded import cache_root
-
-    return cache_root() / "torch_extensions" / digest.hexdigest()[:16]
+    return digest.hexdigest()[:16]
 
 
 def _put_ninja_on_path() -> None:
@@ -64,31 +62,31 @@ def _put_ninja_on_path() -> None:
             pass  # the build then fails with a clear message and the PyTorch paths are used
 
 
+@functools.cache
 def cpu_ops() -> ModuleType | None:
-    """The compiled kernels module, or None where it cannot be built (then use PyTorch)."""
-    global _module
-    if _module is not _UNSET:
-        return _module  # type: ignore[return-value]
-    _module = None
+    """The compiled kernels module (built or loaded once per process), or None where it cannot
+    be built (then use PyTorch)."""
     if os.environ.get("LLMOPT_CPU_KERNELS", "1") == "0":
         return None
     try:
         from torch.utils.cpp_extension import load
 
+        from llmopt.core.embedded import cache_root
+
         _put_ninja_on_path()
-        folder = _build_dir()
+        folder = cache_root() / "torch_extensions" / _digest()
         folder.mkdir(parents=True, exist_ok=True)
         if not any(folder.glob("*.so")):
-            log.info("building llmopt's CPU kernels (once per machine, ~40 s) in %s", folder)
-        _module = load(name="llmopt_cpu_ops", sources=[str(s) for s in SOURCES], extra_cflags=CFLAGS,
-                       extra_ldflags=["-fopenmp"], build_directory=str(folder), verbose=False)
+            log.info("building llmopt's CPU kernels (once per machine, ~50 s) in %s", folder)
+        return load(name="llmopt_cpu_ops", sources=[str(s) for s in SOURCES], extra_cflags=CFLAGS,
+                    extra_ldflags=["-fopenmp"], build_directory=str(folder), verbose=False)
     except Exception as exc:  # no compiler, no ninja, a build error: the PyTorch paths still work
         log.warning("llmopt's CPU kernels unavailable (%s); using the PyTorch paths",
                     str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
-    return _module  # type: ignore[return-value]
+        return None
 
 
 def kernels_identity() -> str | None:
     """What the CPU kernels' numerics depend on (sources, flags, CPU, torch), or None when
     they are not in use: caches of computed scores include it in their keys."""
-    return _build_dir().name if cpu_ops() is not None else None
+    return _digest() if cpu_ops() is not None else None

@@ -9,24 +9,19 @@ the path for other dtypes and devices.
 
 from __future__ import annotations
 
+import functools
 from types import ModuleType
 
 import torch
 
 from llmopt.kernels.cpu_extension import cpu_ops
 
-_UNSET = object()
-_ops: object = _UNSET
-
-
+@functools.cache
 def fused_ops() -> ModuleType | None:
     """The module with `rms_norm`, `add_rms_norm`, `rotary_embedding_`, `silu_and_mul`, or None
     where the CPU kernels cannot be built or the CPU lacks AVX2/FMA."""
-    global _ops
-    if _ops is _UNSET:
-        ops = cpu_ops()
-        _ops = ops if ops is not None and ops.fused_ops_available() else None
-    return _ops  # type: ignore[return-value]
+    ops = cpu_ops()
+    return ops if ops is not None and ops.fused_ops_available() else None
 
 
 def use_fused(x: torch.Tensor) -> ModuleType | None:

@@ -107,8 +107,8 @@ def main() -> None:
     ap.add_argument("--rows", default="1,4,16,32,64", help="comma-separated M values for the linears")
     ap.add_argument("--layers", type=int, default=30, help="layers of weights to stream (the default model has 30)")
     args = ap.parse_args()
-    if args.context < 1:
-        ap.error("--context must be positive")
+    if args.context < 1 or args.layers < 1:
+        ap.error("--context and --layers must be positive")
     try:
         rows = [int(r) for r in args.rows.split(",")]
     except ValueError:

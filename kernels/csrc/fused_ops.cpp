@@ -2,9 +2,8 @@
 //
 // Between the matmuls of a layer sit ~25 small PyTorch ops (RMSNorm's pow/mean/add/rsqrt/mul,
 // rope's cat/neg/mul/add, silu, the gate*up product, a residual add). On a 32-token decode
-// step each one is a few microseconds of arithmetic but tens of microseconds of dispatch, ~12 ms
-// of a ~110 ms step on the default model. Each function here does one of those groups in one
-// pass over the rows. Same formulas as the PyTorch reference in llmopt/model (checked against it
+// step each one is a few microseconds of arithmetic but tens of microseconds of dispatch. Each
+// function here does one of those groups in one pass over the rows. Same formulas as the PyTorch reference in llmopt/model (checked against it
 // in tests/test_cpu_fused_ops.py); only the summation order of the RMS differs.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>

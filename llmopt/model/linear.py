@@ -32,10 +32,10 @@ class DenseLinear(LinearBase):
 
     fp32 on CPU takes the fastest of three paths (`scripts/bench_cpu_ops.py`, 2-core CPU):
     - up to `SKINNY_MAX_ROWS` rows (decode steps), our C++ kernel: MKL's GEMM re-packs the
-      weight on every call, which at few rows costs more than the arithmetic (batch 1: 14 vs
-      28 ms for the default model's 30 layers; batch 32: 57 vs 96 ms);
+      weight on every call, which at few rows costs more than the arithmetic (batch 1: 16 vs
+      28 ms for the default model's 30 layers; batch 32: 58 vs 73 ms);
     - more rows of a very wide layer (the vocabulary projection), oneDNN with a pre-packed
-      weight (1.3x MKL at 96-256 rows);
+      weight (1.2-1.3x MKL at 96-256 rows);
     - everything else (prompt chunks, perplexity windows), MKL via `F.linear`, as transformers.
     Results agree to float rounding (~3e-6 per layer); the kernel's result for a row does not
     depend on the other rows. The packed copy sits beside the plain weight (checkpoints and
@@ -67,7 +67,7 @@ class DenseLinear(LinearBase):
         # re-checked per call (cheap): weights may have been moved, cast or replaced since prepare()
         if (self.skinny is not None and rows <= SKINNY_MAX_ROWS and x.dtype is torch.float32 and x.device.type == "cpu"
                 and w.dtype is torch.float32 and w.device.type == "cpu" and w.is_contiguous()):
-            out = self.skinny(x.reshape(rows, self.in_features).contiguous(), self.weight, self.bias)
+            out = self.skinny(x.reshape(rows, self.in_features).contiguous(), w, self.bias)
             return out.view(*x.shape[:-1], self.out_features)
         if self.onednn_weight is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.onednn_weight, self.bias, "none", [], "")
