@@ -322,12 +322,16 @@ def test_unknown_pre_tokenizer_warns_and_others_are_refused(caplog):
 
 
 # ---- the default model ------------------------------------------------------------------
-# Short chat questions on which llama.cpp's greedy answers from our F16 and Q8_0 files agree
-# for 24 tokens. Measured over 14 short prompts: 6 agree; the other 8 part at a near tie
-# (F16 top-2 logit gap 0.06-0.8), and a Q8_0 made by llama.cpp's own quantizer from the
-# same F16 agrees on 4 (docs/benchmarks.md).
+# F16 and Q8_0 are two numeric paths: at a near tie (F16's top-2 logit gap of a few tenths)
+# llama.cpp's Q8_0 arithmetic, which also rounds activations to 8 bits, may pick the runner-up,
+# and which way it goes differs between llama.cpp builds. So Q8_0 is checked along F16's own
+# greedy path (teacher-forced): wherever F16's top token leads by at least DECISIVE_GAP, Q8_0
+# must pick it too, and the chosen tokens' log-probabilities must stay within DECISIVE_GAP / 2.
+# Measured on these prompts: Q8_0 moves them by at most 0.20 and flips nothing decisive (16-18
+# decisive positions of 22-24); Q4_0, a real loss of precision, flips 1-3 decisive positions
+# per prompt and moves them by 0.9-2.9, so both checks fail on it.
 SHORT_CHATS = ["Name the three primary colors.", "What color is the sky?", "How many days are in a week?"]
-
+DECISIVE_GAP = 1.0
 
 @pytest.fixture(scope="module")
 def default_f16_q8(tmp_path_factory):
@@ -353,6 +357,23 @@ def llama_cpp_greedy(path: Path, prompt: list[int], eos: int, max_tokens: int) -
     return answer
 
 
+def llama_cpp_path_scores(path: Path, prompt: list[int], answer: list[int]) -> np.ndarray:
+    """llama.cpp's logits [len(answer), vocab] predicting each answer token, the answer fed in."""
+    with open_llama_cpp(path, n_ctx=256) as llm:
+        llm.eval(prompt + answer)
+        return np.array(llm.scores[len(prompt) - 1: len(prompt) + len(answer) - 1])
+
+
+def log_softmax(scores: np.ndarray) -> np.ndarray:
+    shifted = scores - scores.max(axis=-1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
+
+
+def top2_gaps(scores: np.ndarray) -> np.ndarray:
+    top2 = np.sort(scores, axis=-1)[:, -2:]
+    return top2[:, 1] - top2[:, 0]
+
+
 @pytest.mark.integration
 def test_default_model_answers_in_llama_cpp(default_f16_q8):
     """F16 answers the question; Q8_0 follows that answer token by token.
@@ -371,9 +392,7 @@ def test_default_model_answers_in_llama_cpp(default_f16_q8):
     answer = llama_cpp_greedy(f16, prompt, tokenizer.token_to_id(tokenizer.eos_token), 16)
     assert "Paris" in tokenizer.decode(answer), tokenizer.decode(answer)
 
-    with open_llama_cpp(q8, n_ctx=128) as llm:
-        llm.eval(prompt + answer)
-        scores = np.array(llm.scores[len(prompt) - 1: len(prompt) + len(answer) - 1])
+    scores = llama_cpp_path_scores(q8, prompt, answer)
     top2 = np.argsort(-scores, axis=-1)[:, :2]
     assert all(token in top for token, top in zip(answer, top2)), "Q8_0 strays from the F16 answer"
     agree = sum(int(top[0] == token) for token, top in zip(answer, top2))
@@ -383,10 +402,20 @@ def test_default_model_answers_in_llama_cpp(default_f16_q8):
 @pytest.mark.integration
 @pytest.mark.parametrize("question", SHORT_CHATS)
 def test_default_model_q8_0_greedy_matches_f16(default_f16_q8, question):
+    """Q8_0 picks F16's greedy token at every decisive position of F16's 24-token answer."""
     tokenizer, f16, q8 = default_f16_q8
     prompt = tokenizer.encode_chat([{"role": "user", "content": question}])
-    eos = tokenizer.token_to_id(tokenizer.eos_token)
-    expected = llama_cpp_greedy(f16, prompt, eos, 24)
-    assert len(expected) >= 4, tokenizer.decode(expected)
-    got = llama_cpp_greedy(q8, prompt, eos, 24)
-    assert got == expected, f"F16: {tokenizer.decode(expected)!r}\nQ8_0: {tokenizer.decode(got)!r}"
+    answer = llama_cpp_greedy(f16, prompt, tokenizer.token_to_id(tokenizer.eos_token), 24)
+    assert len(answer) >= 4, tokenizer.decode(answer)
+    reference = llama_cpp_path_scores(f16, prompt, answer)
+    assert [int(t) for t in reference.argmax(-1)] == answer  # the path is F16's own greedy answer
+    scores = llama_cpp_path_scores(q8, prompt, answer)
+    decisive = top2_gaps(reference) >= DECISIVE_GAP
+    assert decisive.sum() >= len(answer) // 2, f"only {decisive.sum()} decisive positions: the check would be empty"
+    flips = [(i, tokenizer.decode([answer[i]]), tokenizer.decode([int(scores[i].argmax())]))
+             for i in np.flatnonzero(decisive) if scores[i].argmax() != answer[i]]
+    assert not flips, f"Q8_0 leaves F16's answer at decisive positions {flips} of {tokenizer.decode(answer)!r}"
+    # and the chosen tokens' log-probabilities stay close (a distribution check at every position)
+    rows = np.arange(len(answer))
+    drift = np.abs(log_softmax(scores)[rows, answer] - log_softmax(reference)[rows, answer])
+    assert drift.max() < DECISIVE_GAP / 2, f"Q8_0 moves the chosen tokens' log-probabilities by up to {drift.max():.3f}"
