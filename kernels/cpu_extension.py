@@ -5,6 +5,10 @@ One Python module:
   (`cpu_paged_attention.py` wraps it; the runtime's decode steps use it).
 - `skinny_linear`: `x @ w.T` for a few rows of x (decode batches), which MKL's GEMM handles
   poorly (`cpu_linear.py`; `DenseLinear` uses it).
+- `int4_linear`: 4-bit AWQ / GPTQ weights times fp32 activations (`cpu_int4.py`;
+  `CpuInt4Linear` in llmopt/model/int4_linear.py uses it).
+- `DecodePlan`: every decoder layer of a decode step in one call, through the kernels
+  above (`llmopt/runtime/cpu_decode_plan.py` builds it from the model).
 - `rms_norm`, `add_rms_norm`, `rotary_embedding_`, `silu_and_mul`: the small per-layer ops
   fused (`cpu_fused.py`; the decoder in `llmopt/model/llama.py` uses them).
 
@@ -29,7 +33,8 @@ from types import ModuleType
 log = logging.getLogger("llmopt.kernels")
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / name for name in ("bindings.cpp", "paged_decode.cpp", "skinny_linear.cpp", "fused_ops.cpp")]
+SOURCES = [CSRC / name for name in ("bindings.cpp", "paged_decode.cpp", "skinny_linear.cpp", "fused_ops.cpp",
+                                     "int4_linear.cpp", "decode_plan.cpp")]
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 
 

@@ -3,6 +3,10 @@
 K/V for one layer live in a flat slot array `[num_slots, num_kv_heads, head_dim]`, where
 slot = block_id * block_size + offset. A sequence's keys are gathered through its slot
 indices (derived from its block table), so sequences never need contiguous memory.
+
+The pool may be stored in a narrower dtype than the model computes in (`kv_cache_dtype`,
+e.g. bf16 K/V for an fp32 model): K/V are rounded to it when written and widened back to
+the query's dtype when read, so attention itself runs in the query's dtype.
 """
 
 from __future__ import annotations
@@ -13,9 +17,11 @@ import torch.nn.functional as F
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
              k: torch.Tensor, v: torch.Tensor) -> None:
-    """Store new keys/values [num_tokens, kv_heads, head_dim] at their slots."""
-    k_cache.index_copy_(0, slot_mapping, k)
-    v_cache.index_copy_(0, slot_mapping, v)
+    """Store new keys/values [num_tokens, kv_heads, head_dim] at their slots, converted to
+    the cache's dtype (round to nearest even for bf16/fp16)."""
+    # index_copy_ needs matching dtypes; .to() is a no-op when they already match
+    k_cache.index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
 def decode_mask(context_lens: torch.Tensor, max_len: int, sliding_window: int | None,
@@ -36,7 +42,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
     q [batch, heads, head_dim]; block_tables [batch, width] block ids (rows padded with
     any written block: padding is masked); mask [batch, 1, 1, width * block_size] from
-    `decode_mask`. Returns [batch, heads, head_dim].
+    `decode_mask`, in q's dtype. Returns [batch, heads, head_dim] in q's dtype; the gathered
+    K/V are converted to it when the cache holds another dtype.
 
     Whole blocks are gathered (one copy of block_size rows each, not one per token), and
     grouped-query heads are folded into the query length — q as [batch, kv_heads,
@@ -50,8 +57,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     flat = block_tables.reshape(-1)
     keys = k_cache.view(-1, block_size, kv_heads, head_dim).index_select(0, flat)  # [batch*width, bs, kvh, d]
     values = v_cache.view(-1, block_size, kv_heads, head_dim).index_select(0, flat)
-    keys = keys.view(batch, width * block_size, kv_heads, head_dim).transpose(1, 2)
-    values = values.view(batch, width * block_size, kv_heads, head_dim).transpose(1, 2)
+    # SDPA needs one dtype: convert the gathered blocks (a fresh tensor already), not the pool
+    keys = keys.view(batch, width * block_size, kv_heads, head_dim).to(q.dtype).transpose(1, 2)
+    values = values.view(batch, width * block_size, kv_heads, head_dim).to(q.dtype).transpose(1, 2)
     out = F.scaled_dot_product_attention(q.view(batch, kv_heads, heads // kv_heads, head_dim), keys, values,
                                          attn_mask=mask)
     return out.reshape(batch, heads, head_dim)
@@ -92,7 +100,10 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     """A chunk of `query_len` tokens of one sequence after `context_len` cached ones.
 
     q [query_len, heads, head_dim]; slots [context_len + query_len] the slots of all its
-    keys in order (the chunk's own K/V already written). Returns [query_len, heads, head_dim].
+    keys in order (the chunk's own K/V already written). Returns [query_len, heads, head_dim];
+    K/V read from a cache of another dtype are converted to q's.
     """
     mask = prefill_mask(q.shape[0], context_len, sliding_window, q.device)
-    return attend(q, k_cache.index_select(0, slots), v_cache.index_select(0, slots), mask)
+    keys = k_cache.index_select(0, slots).to(q.dtype)
+    values = v_cache.index_select(0, slots).to(q.dtype)
+    return attend(q, keys, values, mask)

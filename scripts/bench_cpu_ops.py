@@ -9,7 +9,9 @@
 2. The default model's linears at M rows (qkv 576->960, o 576->576, gate_up 576->3072,
    down 1536->576 in each of 30 layers, weights streamed from memory as in a decode step;
    lm_head 576->49152): MKL (`F.linear`, what transformers runs), a oneDNN-packed weight,
-   and our skinny kernel (`llmopt.kernels.cpu_linear`); a 2048^3 GEMM for the machine's
+   our skinny kernel (`llmopt.kernels.cpu_linear`), and the int4 kernel
+   (`llmopt.kernels.cpu_int4`, the same weights RTN-quantized to 4 bits in groups of 64; its
+   "max |diff|" column is mostly that quantization); a 2048^3 GEMM for the machine's
    large-GEMM rate.
 
     python scripts/bench_cpu_ops.py [--context 242] [--rows 1,4,16,32,64] [--layers 30]
@@ -24,9 +26,11 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from llmopt.kernels.cpu_int4 import int4_linear_kernel, repack_int4
 from llmopt.kernels.cpu_linear import skinny_linear_kernel
 from llmopt.kernels.cpu_paged_attention import decode_kernel
 from llmopt.kernels.paged_attention import decode_mask, paged_decode_attention
+from llmopt.quant.quantizer import QuantScheme, quantize_rtn
 
 LINEARS = {"qkv": (576, 960), "o": (576, 576), "gate_up": (576, 3072), "down": (1536, 576), "lm_head": (576, 49152)}
 
@@ -82,6 +86,18 @@ def linears(rows: list[int], num_layers: int) -> None:
     backends["oneDNN"] = lambda x, w: torch.ops.mkldnn._linear_pointwise(x, packed[id(w)], None, "none", [], "")
     if skinny is not None:
         backends["skinny"] = skinny
+    int4 = int4_linear_kernel()
+    if int4 is not None:
+        int4_packed = {}
+        for w in [lm_head, *(w for layer in weights for w in layer)]:
+            q = quantize_rtn(w, QuantScheme(group_size=64))
+            int4_packed[id(w)] = repack_int4(q.codes, q.scales, q.zeros, q.g_idx)
+
+        def int4_fn(x, w):
+            p = int4_packed[id(w)]
+            return int4(x, p.codes, p.scales, p.scaled_zeros, p.out_features, p.group_size)
+
+        backends["int4"] = int4_fn
     flops_per_row = 2 * num_layers * sum(n_in * n_out for n_in, n_out in layer_shapes)
     print(f"\n{num_layers} layers' linears ({sum(w.numel() for layer in weights for w in layer) * 4 / 2**20:.0f} MiB "
           f"of weights, streamed) and the vocabulary projection, per step:")

@@ -1,9 +1,9 @@
 #!/usr/bin/env python
-"""Time and profile the runtime's steady-state decode steps on the default model.
+"""Time and profile the runtime's steady-state decode steps (default: the default model).
 
 32 chat requests run together; prints ms per step as their context grows, then the top
 functions by own time (cProfile) over the last 40 steps.
-Usage: python scripts/profile_decode_step.py [--num-seqs 32] [--top 10]
+Usage: python scripts/profile_decode_step.py [--model SPEC] [--num-seqs 32] [--top 10]
 """
 
 from __future__ import annotations
@@ -20,12 +20,13 @@ from llmopt.runtime.llm import LLM
 
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="default", help="model spec (an AWQ / GPTQ folder runs the int4 kernel)")
     ap.add_argument("--num-seqs", type=int, default=32)
     ap.add_argument("--top", type=int, default=10, help="functions to list from the profile")
     args = ap.parse_args()
     if args.num_seqs < 1 or args.top < 1:
         ap.error("--num-seqs and --top must be positive")
-    engine = LLM(load("default", dtype="float32"), max_num_seqs=args.num_seqs).engine
+    engine = LLM(load(args.model, dtype="float32"), max_num_seqs=args.num_seqs).engine
     for i in range(args.num_seqs):
         engine.add_request([{"role": "user", "content": f"Tell me fact number {i} about the ocean."}],
                            SamplingParams(max_tokens=300, temperature=0, ignore_eos=True))

@@ -75,3 +75,27 @@ def test_dense_linear_uses_the_kernel_for_few_rows_only():
     # cast after prepare(): the kernel (fp32 only) is skipped, not crashed into
     layer.to(torch.float64)
     assert torch.equal(layer(few.double()), F.linear(few.double(), layer.weight, layer.bias))
+
+
+@pytest.mark.parametrize("rows", [1, 2, 7, 33, 130])
+def test_bf16_weights_match_their_float64_product(rows):
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 576, generator=gen)
+    w = (torch.randn(1001, 576, generator=gen) * 576 ** -0.5).to(torch.bfloat16)
+    got = kernel(x, w)
+    ref = _reference(x, w.float(), None)  # the bf16 values exactly, widened
+    assert (got.double() - ref).abs().max().item() < 4e-7 * 576 ** 0.5 * ref.abs().max().item() + 1e-6
+    assert torch.equal(kernel(x[:1].contiguous(), w), got[:1])
+
+
+def test_dense_linear_bf16_copy_serves_every_row_count():
+    gen = torch.Generator().manual_seed(6)
+    layer = DenseLinear(64, 40)
+    layer.weight.data = torch.randn(40, 64, generator=gen)
+    layer.prepare()
+    assert layer.use_bf16_copy() and layer.bf16_weight.dtype == torch.bfloat16
+    assert layer.weight.dtype == torch.float32  # the plain weight stays (tied embeddings read it)
+    for rows in (1, SKINNY_MAX_ROWS + 5):
+        x = torch.randn(rows, 64, generator=gen)
+        assert torch.equal(layer(x), kernel(x, layer.bf16_weight))
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight), rtol=0.02, atol=0.05)

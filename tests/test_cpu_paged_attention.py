@@ -1,4 +1,8 @@
-"""The C++ CPU decode kernel against the pure-PyTorch paged attention it replaces."""
+"""The C++ CPU decode kernel against the pure-PyTorch paged attention it replaces.
+
+Both read the same pool, fp32 or 16-bit (bf16/fp16 K/V, fp32 queries): they see the same
+values and differ only in summation order, hence one tolerance for every pool dtype.
+"""
 
 from __future__ import annotations
 
@@ -12,7 +16,8 @@ kernel = decode_kernel()
 pytestmark = pytest.mark.skipif(kernel is None, reason="the CPU kernel could not be built here (no g++/ninja)")
 
 
-def _case(lens: list[int], heads: int, kv_heads: int, head_dim: int, block_size: int, seed: int):
+def _case(lens: list[int], heads: int, kv_heads: int, head_dim: int, block_size: int, seed: int,
+          kv_dtype: torch.dtype = torch.float32):
     gen = torch.Generator().manual_seed(seed)
     width = max(-(-n // block_size) for n in lens)
     num_blocks = len(lens) * width + 3
@@ -24,28 +29,31 @@ def _case(lens: list[int], heads: int, kv_heads: int, head_dim: int, block_size:
         used = order[i * width: i * width + -(-n // block_size)].tolist()
         tables.append(used + [used[0]] * (width - len(used)))
     q = torch.randn(len(lens), heads, head_dim, generator=gen)
-    return q, k_cache, v_cache, torch.tensor(tables), torch.tensor(lens)
+    return q, k_cache.to(kv_dtype), v_cache.to(kv_dtype), torch.tensor(tables), torch.tensor(lens)
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 4), (8, 1)])
 @pytest.mark.parametrize("sliding_window", [None, 5])
 @pytest.mark.parametrize("head_dim", [64, 72, 12])  # 12: not a multiple of 8, the kernel's scalar path
-def test_kernel_matches_pytorch_path(heads, kv_heads, sliding_window, head_dim):
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_kernel_matches_pytorch_path(heads, kv_heads, sliding_window, head_dim, kv_dtype):
     lens = [1, 4, 5, 17, 33, 64, 2, 8, 16]
     block_size = 4
-    q, k_cache, v_cache, tables, context = _case(lens, heads, kv_heads, head_dim, block_size, seed=heads + kv_heads)
+    q, k_cache, v_cache, tables, context = _case(lens, heads, kv_heads, head_dim, block_size, seed=heads + kv_heads,
+                                                 kv_dtype=kv_dtype)
     mask = decode_mask(context, tables.shape[1] * block_size, sliding_window)
     expected = paged_decode_attention(q, k_cache, v_cache, tables, mask)
     got = kernel(q, k_cache, v_cache, tables, context, block_size, head_dim ** -0.5,
                  -1 if sliding_window is None else sliding_window)
-    assert got.shape == expected.shape
+    assert got.shape == expected.shape and got.dtype == expected.dtype == torch.float32
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
-def test_kernel_reads_only_each_sequences_blocks():
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+def test_kernel_reads_only_each_sequences_blocks(kv_dtype):
     """Poison every slot no sequence owns: a stray read would show up as NaN."""
     lens, block_size, head_dim = [3, 9], 4, 16
-    q, k_cache, v_cache, tables, context = _case(lens, 4, 2, head_dim, block_size, seed=1)
+    q, k_cache, v_cache, tables, context = _case(lens, 4, 2, head_dim, block_size, seed=1, kv_dtype=kv_dtype)
     owned = set()
     for row, n in zip(tables.tolist(), lens):
         owned.update(row[b] * block_size + o for b in range(-(-n // block_size)) for o in range(block_size)

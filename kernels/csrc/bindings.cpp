@@ -11,15 +11,28 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
 std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor w, double eps);
 void rotary_embedding_(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor sin);
 torch::Tensor silu_and_mul(torch::Tensor x);
+bool int4_linear_simd();
+torch::Tensor int4_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor scaled_zeros,
+                          int64_t out_features, int64_t group_size, c10::optional<torch::Tensor> perm,
+                          c10::optional<torch::Tensor> bias);
 
+void register_decode_plan(pybind11::module& m);
+
+// The heavy kernels release the GIL: a server's event loop keeps running during a step.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode", &paged_decode, "fp32 paged decode attention");
+  using release_gil = pybind11::call_guard<pybind11::gil_scoped_release>;
+  m.def("paged_decode", &paged_decode, release_gil(), "paged decode attention: fp32 q and output, fp32/bf16/fp16 K/V");
   m.def("skinny_linear_available", &skinny_linear_available, "built with AVX2 + FMA");
-  m.def("skinny_linear", &skinny_linear, "x @ w.T (+ bias) for few rows of x",
+  m.def("skinny_linear", &skinny_linear, release_gil(), "x @ w.T (+ bias) for few rows of x",
         pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("bias") = pybind11::none());
   m.def("fused_ops_available", &fused_ops_available, "built with AVX2 + FMA");
   m.def("rms_norm", &rms_norm, "w * x / sqrt(mean(x^2) + eps) per row");
   m.def("add_rms_norm", &add_rms_norm, "(rms_norm(x + residual), x + residual)");
   m.def("rotary_embedding_", &rotary_embedding_, "rope (rotate-half layout) on q and k, in place");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up for x = [gate | up]");
+  m.def("int4_linear_simd", &int4_linear_simd, "int4_linear built with AVX2 + FMA (else portable C++)");
+  m.def("int4_linear", &int4_linear, release_gil(), "x @ dequant(W).T (+ bias): 4-bit W, int8-quantized x per 32 values",
+        pybind11::arg("x"), pybind11::arg("codes"), pybind11::arg("scales"), pybind11::arg("scaled_zeros"),
+        pybind11::arg("out_features"), pybind11::arg("group_size"), pybind11::arg("perm") = pybind11::none(), pybind11::arg("bias") = pybind11::none());
+  register_decode_plan(m);
 }

@@ -1,17 +1,21 @@
-// Paged decode attention for fp32 on CPU: one query token per sequence against its K/V,
-// read straight from the block pool through the block table (no gather), each key and value
-// row once for all the query heads that share it (grouped-query attention). Two-pass softmax
-// per (sequence, kv head). With AVX2 + FMA and head_dim % 8 == 0: 8 keys per group of FMA chains,
-// vectorised exp, prefetch of the next scattered rows; otherwise plain loops. The pure-PyTorch
-// path (kernels/paged_attention.py) is the reference.
+// Paged decode attention on CPU: one fp32 query token per sequence against its K/V, read
+// straight from the block pool through the block table (no gather), each key and value row
+// once for all the query heads that share it (grouped-query attention). Two-pass softmax per
+// (sequence, kv head). The pool may hold fp32, bf16 or fp16 K/V (`--kv-cache-dtype`): 16-bit
+// rows are widened to fp32 as they are loaded, so scores, softmax, accumulation and output stay
+// fp32 and a 16-bit pool halves the bytes read. With AVX2 + FMA and head_dim % 8 == 0: 8 keys
+// per group of FMA chains, vectorised exp, prefetch of the next scattered rows; otherwise plain
+// loops. The pure-PyTorch path (kernels/paged_attention.py) is the reference.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 #include <algorithm>
 #include <cmath>
 #include <limits>
 #include <vector>
 
-// Each (sequence, kv head) item: `rows[i]` is the float offset of the i-th attended position's
+// Each (sequence, kv head) item: `rows[i]` is the element offset of the i-th attended position's
 // key (and value) row for that head in the pool; G query heads share those rows.
 struct Item {
   const float* q;          // [G, D] the query heads of this kv head
@@ -20,19 +24,24 @@ struct Item {
   float scale;
 };
 
+// T: the pool's element type (float, c10::BFloat16 or c10::Half); static_cast<float> widens
+// exactly (bf16: the 16 bits shifted into the top of an fp32; fp16: every value representable)
+
 // 8 independent partial sums: the compiler vectorises this without reassociating floats
-static inline float dot(const float* a, const float* b, int64_t n) {
+template <typename T>
+static inline float dot(const float* a, const T* b, int64_t n) {
   float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
   int64_t i = 0;
   for (; i + 8 <= n; i += 8)
-    for (int j = 0; j < 8; ++j) acc[j] += a[i + j] * b[i + j];
+    for (int j = 0; j < 8; ++j) acc[j] += a[i + j] * static_cast<float>(b[i + j]);
   float s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
-  for (; i < n; ++i) s += a[i] * b[i];
+  for (; i < n; ++i) s += a[i] * static_cast<float>(b[i]);
   return s;
 }
 
 // scores[g * n + i] = q_g . k_i * scale, and maxes[g] = max_i of them
-static void scores_generic(const Item& it, const float* k, float* scores, float* maxes) {
+template <typename T>
+static void scores_generic(const Item& it, const T* k, float* scores, float* maxes) {
   for (int64_t i = 0; i < it.n; ++i)
     for (int64_t g = 0; g < it.G; ++g) {
       const float s = dot(it.q + g * it.D, k + it.rows[i], it.D) * it.scale;
@@ -42,14 +51,15 @@ static void scores_generic(const Item& it, const float* k, float* scores, float*
 }
 
 // out_g = sum_i p[g * n + i] * v_i / sums[g]
-static void values_generic(const Item& it, const float* v, const float* p, const float* sums, float* out) {
+template <typename T>
+static void values_generic(const Item& it, const T* v, const float* p, const float* sums, float* out) {
   for (int64_t g = 0; g < it.G; ++g) {
     float* o = out + g * it.D;
     std::fill(o, o + it.D, 0.f);
     for (int64_t i = 0; i < it.n; ++i) {
       const float w = p[g * it.n + i];
-      const float* vr = v + it.rows[i];
-      for (int64_t d = 0; d < it.D; ++d) o[d] += w * vr[d];
+      const T* vr = v + it.rows[i];
+      for (int64_t d = 0; d < it.D; ++d) o[d] += w * static_cast<float>(vr[d]);
     }
     const float inv = 1.f / sums[g];
     for (int64_t d = 0; d < it.D; ++d) o[d] *= inv;
@@ -84,9 +94,30 @@ static inline float exp_shifted(float* s, int64_t n, float m) {
   return sum;
 }
 
+// 8 pool elements as 8 fp32 lanes
+static inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+// bf16 -> fp32 is exact: zero-extend each 16-bit value to 32 bits and shift it into the top half
+static inline __m256 load8(const c10::BFloat16* p) {
+  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+#if defined(__F16C__)
+static inline __m256 load8(const c10::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+#else
+static inline __m256 load8(const c10::Half* p) {
+  float f[8];
+  for (int j = 0; j < 8; ++j) f[j] = static_cast<float>(p[j]);
+  return _mm256_loadu_ps(f);
+}
+#endif
 
-static inline void prefetch_row(const float* row, int64_t n) {
-  for (int64_t d = 0; d < n; d += 16) _mm_prefetch(reinterpret_cast<const char*>(row + d), _MM_HINT_T0);
+// one prefetch per 64-byte cache line of the row's n elements
+template <typename T>
+static inline void prefetch_row(const T* row, int64_t n) {
+  constexpr int64_t step = 64 / sizeof(T);
+  for (int64_t d = 0; d < n; d += step) _mm_prefetch(reinterpret_cast<const char*>(row + d), _MM_HINT_T0);
 }
 
 // the 8 lane-sums of a[0..7], as one vector
@@ -98,12 +129,13 @@ static inline __m256 reduce8(const __m256* a) {
 }
 
 // D % 8 == 0: 8 keys at a time, 8 independent FMA chains, one vector of 8 scores per head
-static void scores_avx2(const Item& it, const float* k, float* scores, float* maxes) {
+template <typename T>
+static void scores_avx2(const Item& it, const T* k, float* scores, float* maxes) {
   const int64_t n = it.n, D = it.D;
   const __m256 vscale = _mm256_set1_ps(it.scale);
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
-    const float* kr[8];
+    const T* kr[8];
     for (int r = 0; r < 8; ++r) kr[r] = k + it.rows[i + r];
     if (i + 16 <= n)  // the next 8 keys from memory while these 8 are computed (rows are scattered)
       for (int r = 0; r < 8; ++r) prefetch_row(k + it.rows[i + 8 + r], D);
@@ -113,7 +145,7 @@ static void scores_avx2(const Item& it, const float* k, float* scores, float* ma
       for (int r = 0; r < 8; ++r) acc[r] = _mm256_setzero_ps();
       for (int64_t d = 0; d < D; d += 8) {
         const __m256 qv = _mm256_loadu_ps(qg + d);
-        for (int r = 0; r < 8; ++r) acc[r] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr[r] + d), acc[r]);
+        for (int r = 0; r < 8; ++r) acc[r] = _mm256_fmadd_ps(qv, load8(kr[r] + d), acc[r]);
       }
       const __m256 s = _mm256_mul_ps(reduce8(acc), vscale);
       _mm256_storeu_ps(scores + g * n + i, s);
@@ -126,7 +158,7 @@ static void scores_avx2(const Item& it, const float* k, float* scores, float* ma
     for (int64_t g = 0; g < it.G; ++g) {
       __m256 acc = _mm256_setzero_ps();
       for (int64_t d = 0; d < D; d += 8)
-        acc = _mm256_fmadd_ps(_mm256_loadu_ps(it.q + g * D + d), _mm256_loadu_ps(k + it.rows[i] + d), acc);
+        acc = _mm256_fmadd_ps(_mm256_loadu_ps(it.q + g * D + d), load8(k + it.rows[i] + d), acc);
       __m256 one[8] = {acc, acc, acc, acc, acc, acc, acc, acc};  // same reduction as the 8-key path
       float lanes[8];
       _mm256_storeu_ps(lanes, reduce8(one));
@@ -137,7 +169,8 @@ static void scores_avx2(const Item& it, const float* k, float* scores, float* ma
 }
 
 // D % 8 == 0: per head, up to 64 output floats in 8 accumulators across all rows
-static void values_avx2(const Item& it, const float* v, const float* p, const float* sums, float* out) {
+template <typename T>
+static void values_avx2(const Item& it, const T* v, const float* p, const float* sums, float* out) {
   const int64_t n = it.n, D = it.D;
   for (int64_t g = 0; g < it.G; ++g) {
     const float* pg = p + g * n;
@@ -149,11 +182,11 @@ static void values_avx2(const Item& it, const float* v, const float* p, const fl
       for (int64_t i = 0; i < n; ++i) {
         if (i + 4 < n) prefetch_row(v + it.rows[i + 4] + d0, std::min<int64_t>(64, D - d0));
         const __m256 w = _mm256_set1_ps(pg[i]);
-        const float* vr = v + it.rows[i] + d0;
+        const T* vr = v + it.rows[i] + d0;
         if (chunks == 8) {
-          for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr + 8 * j), acc[j]);
+          for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(w, load8(vr + 8 * j), acc[j]);
         } else {
-          for (int j = 0; j < chunks; ++j) acc[j] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr + 8 * j), acc[j]);
+          for (int j = 0; j < chunks; ++j) acc[j] = _mm256_fmadd_ps(w, load8(vr + 8 * j), acc[j]);
         }
       }
       for (int j = 0; j < chunks; ++j) _mm256_storeu_ps(out + g * D + d0 + 8 * j, _mm256_mul_ps(acc[j], inv));
@@ -176,27 +209,24 @@ static inline float exp_shifted(float* s, int64_t n, float m) {
 }
 
 
-static void scores_avx2(const Item&, const float*, float*, float*) {}
-static void values_avx2(const Item&, const float*, const float*, const float*, float*) {}
+template <typename T>
+static void scores_avx2(const Item&, const T*, float*, float*) {}
+template <typename T>
+static void values_avx2(const Item&, const T*, const float*, const float*, float*) {}
 static constexpr bool kHaveAvx2 = false;
 
 #endif
 
-// q [B, H, D]; k_cache, v_cache [slots, KVH, D]; block_tables [B, W]; context_lens [B]
-torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                           torch::Tensor block_tables, torch::Tensor context_lens,
-                           int64_t block_size, double scale, int64_t sliding_window) {
-  TORCH_CHECK(q.dtype() == torch::kFloat32 && k_cache.dtype() == torch::kFloat32, "fp32 only");
-  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous inputs");
-  TORCH_CHECK(block_tables.dtype() == torch::kInt64 && context_lens.dtype() == torch::kInt64, "int64 tables");
-  auto tables = block_tables.contiguous();
-  auto lens = context_lens.contiguous();
+// One pool element type T: out [B, H, D] for q [B, H, D], pools [slots, KVH, D] of T
+template <typename T>
+static void decode(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                   const torch::Tensor& tables, const torch::Tensor& lens, int64_t block_size, double scale,
+                   int64_t sliding_window, torch::Tensor& out) {
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t KVH = k_cache.size(1), G = H / KVH, W = tables.size(1);
-  auto out = torch::empty_like(q);
   const float* qp = q.data_ptr<float>();
-  const float* kp = k_cache.data_ptr<float>();
-  const float* vp = v_cache.data_ptr<float>();
+  const T* kp = k_cache.data_ptr<T>();
+  const T* vp = v_cache.data_ptr<T>();
   const int64_t* bt = tables.data_ptr<int64_t>();
   const int64_t* lp = lens.data_ptr<int64_t>();
   float* op = out.data_ptr<float>();
@@ -232,5 +262,32 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
         values_generic(it, vp, scores.data(), sums.data(), o);
     }
   });
+}
+
+// q [B, H, D] fp32; k_cache, v_cache [slots, KVH, D], both fp32, bf16 or fp16; block_tables [B, W];
+// context_lens [B]. Returns fp32 [B, H, D].
+torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                           torch::Tensor block_tables, torch::Tensor context_lens,
+                           int64_t block_size, double scale, int64_t sliding_window) {
+  TORCH_CHECK(q.dtype() == torch::kFloat32, "paged_decode: q must be fp32");
+  TORCH_CHECK(k_cache.dtype() == v_cache.dtype(), "paged_decode: k_cache and v_cache must share a dtype");
+  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous inputs");
+  TORCH_CHECK(block_tables.dtype() == torch::kInt64 && context_lens.dtype() == torch::kInt64, "int64 tables");
+  auto tables = block_tables.contiguous();
+  auto lens = context_lens.contiguous();
+  auto out = torch::empty_like(q);
+  switch (k_cache.scalar_type()) {
+    case torch::kFloat32:
+      decode<float>(q, k_cache, v_cache, tables, lens, block_size, scale, sliding_window, out);
+      break;
+    case torch::kBFloat16:
+      decode<c10::BFloat16>(q, k_cache, v_cache, tables, lens, block_size, scale, sliding_window, out);
+      break;
+    case torch::kFloat16:
+      decode<c10::Half>(q, k_cache, v_cache, tables, lens, block_size, scale, sliding_window, out);
+      break;
+    default:
+      TORCH_CHECK(false, "paged_decode: K/V must be fp32, bf16 or fp16, got ", k_cache.scalar_type());
+  }
   return out;
 }

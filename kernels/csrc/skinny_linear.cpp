@@ -15,9 +15,18 @@
 #if defined(__AVX2__) && defined(__FMA__)
 #include "vec_math.h"
 
+// 8 weights as floats: fp32 as they are; bf16 widened (its bits are the top half of an fp32)
+static inline __m256 load8(const float* w) { return _mm256_loadu_ps(w); }
+static inline __m256 load8(const at::BFloat16* w) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+static inline float to_float(float v) { return v; }
+static inline float to_float(at::BFloat16 v) { return static_cast<float>(v); }
+
 // out[m][j] = dot(x[m], w[j]) for MT rows of x and NT rows of w, both with row stride K
-template <int NT, int MT>
-static inline void dot_tile(const float* x, const float* w, int64_t K, float* out, int64_t ldo) {
+template <int NT, int MT, typename W>
+static inline void dot_tile(const float* x, const W* w, int64_t K, float* out, int64_t ldo) {
   __m256 acc[MT][NT];
   for (int m = 0; m < MT; ++m)
     for (int j = 0; j < NT; ++j) acc[m][j] = _mm256_setzero_ps();
@@ -26,53 +35,60 @@ static inline void dot_tile(const float* x, const float* w, int64_t K, float* ou
     __m256 a[MT];
     for (int m = 0; m < MT; ++m) a[m] = _mm256_loadu_ps(x + m * K + k);
     for (int j = 0; j < NT; ++j) {
-      const __m256 b = _mm256_loadu_ps(w + j * K + k);
+      const __m256 b = load8(w + j * K + k);
       for (int m = 0; m < MT; ++m) acc[m][j] = _mm256_fmadd_ps(a[m], b, acc[m][j]);
     }
   }
   for (int m = 0; m < MT; ++m)
     for (int j = 0; j < NT; ++j) {
       float s = hsum8(acc[m][j]);
-      for (int64_t t = k; t < K; ++t) s += x[m * K + t] * w[j * K + t];
+      for (int64_t t = k; t < K; ++t) s += x[m * K + t] * to_float(w[j * K + t]);
       out[m * ldo + j] = s;
     }
 }
 
 // one block of NT weight rows against all M rows of x (x rows two at a time)
-template <int NT>
-static inline void weight_rows(const float* x, int64_t M, const float* w, int64_t K, float* out, int64_t N) {
+template <int NT, typename W>
+static inline void weight_rows(const float* x, int64_t M, const W* w, int64_t K, float* out, int64_t N) {
   int64_t m = 0;
   for (; m + 2 <= M; m += 2) dot_tile<NT, 2>(x + m * K, w, K, out + m * N, N);
   for (; m < M; ++m) dot_tile<NT, 1>(x + m * K, w, K, out + m * N, N);
 }
 
 // all N weight rows, NT at a time, split between the threads; the last N % NT one by one
-template <int NT>
-static void all_rows(const float* x, int64_t M, const float* w, int64_t K, float* out, int64_t N) {
+template <int NT, typename W>
+static void all_rows(const float* x, int64_t M, const W* w, int64_t K, float* out, int64_t N) {
   const int64_t blocks = N / NT;
   at::parallel_for(0, blocks, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) weight_rows<NT>(x, M, w + b * NT * K, K, out + b * NT, N);
+    for (int64_t b = begin; b < end; ++b) weight_rows<NT, W>(x, M, w + b * NT * K, K, out + b * NT, N);
   });
-  for (int64_t n = blocks * NT; n < N; ++n) weight_rows<1>(x, M, w + n * K, K, out + n, N);
+  for (int64_t n = blocks * NT; n < N; ++n) weight_rows<1, W>(x, M, w + n * K, K, out + n, N);
 }
 
 bool skinny_linear_available() { return true; }
 
+template <typename W>
+static void skinny(const float* xp, int64_t M, const W* wp, int64_t K, float* op, int64_t N) {
+  // 6 weight rows x 2 x rows: 12 accumulators, as many as AVX2's 16 registers allow with the
+  // operands. One x row (batch 1) is memory-bound: 8 weight rows at a time streams best.
+  if (M == 1)
+    all_rows<8, W>(xp, M, wp, K, op, N);
+  else
+    all_rows<6, W>(xp, M, wp, K, op, N);
+}
+
+// fp32 x with fp32 or bf16 w (a bf16 copy of a wide weight halves the bytes a step reads)
 torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(x.dtype() == torch::kFloat32 && w.dtype() == torch::kFloat32, "skinny_linear: fp32 only");
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && (w.dtype() == torch::kFloat32 || w.dtype() == torch::kBFloat16),
+              "skinny_linear: fp32 x, fp32 or bf16 w");
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "skinny_linear: x [M, K], w [N, K]");
   TORCH_CHECK(x.is_contiguous() && w.is_contiguous(), "skinny_linear: contiguous inputs");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   auto out = torch::empty({M, N}, x.options());
-  const float* xp = x.data_ptr<float>();
-  const float* wp = w.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  // 6 weight rows x 2 x rows: 12 accumulators, as many as AVX2's 16 registers allow with the
-  // operands. One x row (batch 1) is memory-bound: 8 weight rows at a time streams best.
-  if (M == 1)
-    all_rows<8>(xp, M, wp, K, op, N);
+  if (w.dtype() == torch::kFloat32)
+    skinny<float>(x.data_ptr<float>(), M, w.data_ptr<float>(), K, out.data_ptr<float>(), N);
   else
-    all_rows<6>(xp, M, wp, K, op, N);
+    skinny<at::BFloat16>(x.data_ptr<float>(), M, w.data_ptr<at::BFloat16>(), K, out.data_ptr<float>(), N);
   if (bias.has_value()) out.add_(bias.value());
   return out;
 }

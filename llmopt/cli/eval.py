@@ -16,6 +16,7 @@ from llmopt.cli.common import (
     DTYPE,
     EXIT_GATE_FAILED,
     GPU_MEMORY_UTILIZATION,
+    KV_CACHE_DTYPE,
     KV_CACHE_MEMORY,
     MAX_MODEL_LEN,
     MAX_NUM_BATCHED_TOKENS,
@@ -67,6 +68,7 @@ def eval_command(
     block_size: int = BLOCK_SIZE,
     enable_prefix_caching: bool = PREFIX_CACHING,
     kv_cache_memory: str | None = KV_CACHE_MEMORY,
+    kv_cache_dtype: str = KV_CACHE_DTYPE,
     gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION,
     dtype: str = DTYPE,
     device: str = DEVICE,
@@ -86,7 +88,7 @@ def eval_command(
              "timeout": timeout}
     settings = resolve_settings(flags, load_recipe(recipe) if recipe else None, has_baseline=baseline is not None)
     engine = engine_config(max_num_seqs, max_num_batched_tokens, max_model_len, block_size, enable_prefix_caching,
-                           kv_cache_memory, gpu_memory_utilization)
+                           kv_cache_memory, gpu_memory_utilization, kv_cache_dtype)
     options = RunOptions(dtype=dtype, device=device, engine=asdict(engine), use_cache=use_cache)
     report = run_eval(EvalRequest(model=model, baseline=baseline, settings=settings, options=options))
 

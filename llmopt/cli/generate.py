@@ -15,6 +15,7 @@ from llmopt.cli.common import (
     DEVICE,
     DTYPE,
     GPU_MEMORY_UTILIZATION,
+    KV_CACHE_DTYPE,
     KV_CACHE_MEMORY,
     MAX_MODEL_LEN,
     MAX_NUM_BATCHED_TOKENS,
@@ -81,6 +82,7 @@ def generate(
     block_size: int = BLOCK_SIZE,
     enable_prefix_caching: bool = PREFIX_CACHING,
     kv_cache_memory: str | None = KV_CACHE_MEMORY,
+    kv_cache_dtype: str = KV_CACHE_DTYPE,
     gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION,
     dtype: str = DTYPE,
     device: str = DEVICE,
@@ -100,7 +102,7 @@ def generate(
                             frequency_penalty=frequency_penalty, repetition_penalty=repetition_penalty,
                             ignore_eos=ignore_eos)
     config = engine_config(max_num_seqs, max_num_batched_tokens, max_model_len, block_size, enable_prefix_caching,
-                           kv_cache_memory, gpu_memory_utilization)
+                           kv_cache_memory, gpu_memory_utilization, kv_cache_dtype)
     if engine not in ("llmopt", "llama.cpp"):
         raise LlmoptError(f"unknown engine {engine!r}; choose llmopt or llama.cpp")
     if engine == "llama.cpp":

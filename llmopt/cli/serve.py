@@ -13,6 +13,7 @@ from llmopt.cli.common import (
     DEVICE,
     DTYPE,
     GPU_MEMORY_UTILIZATION,
+    KV_CACHE_DTYPE,
     KV_CACHE_MEMORY,
     MAX_MODEL_LEN,
     MAX_NUM_BATCHED_TOKENS,
@@ -44,6 +45,7 @@ def serve(
     block_size: int = BLOCK_SIZE,
     enable_prefix_caching: bool = PREFIX_CACHING,
     kv_cache_memory: str | None = KV_CACHE_MEMORY,
+    kv_cache_dtype: str = KV_CACHE_DTYPE,
     gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION,
     dtype: str = DTYPE,
     device: str = DEVICE,
@@ -59,7 +61,7 @@ def serve(
     if engine == "vllm":
         argv = vllm_command(model, host, port, api_key, served_model_name, max_num_seqs, max_num_batched_tokens,
                             max_model_len, block_size, enable_prefix_caching, gpu_memory_utilization,
-                            tensor_parallel_size, quantization, dtype)
+                            tensor_parallel_size, quantization, dtype, kv_cache_dtype)
         typer.echo("llmopt serve: handing over to " + " ".join(argv), err=True)
         os.execvp(argv[0], argv)  # vLLM owns the process from here (signals, exit code)
     if tensor_parallel_size != 1 or quantization:
@@ -75,12 +77,13 @@ def serve(
         from llmopt.runtime.async_engine import AsyncLLM
 
         config = engine_config(max_num_seqs, max_num_batched_tokens, max_model_len, block_size,
-                               enable_prefix_caching, kv_cache_memory, gpu_memory_utilization)
+                               enable_prefix_caching, kv_cache_memory, gpu_memory_utilization, kv_cache_dtype)
         loaded = load(model, dtype=dtype, device=device)
         async_engine = AsyncLLM.from_spec(loaded, **asdict(config))
         kv = async_engine.engine.kv
+        kv_dtype = str(async_engine.engine.kv_cache_dtype).removeprefix("torch.")
         description = (f"{loaded.config.architecture}, {loaded.dtype}, {loaded.device}; engine llmopt, KV cache "
-                       f"{kv.num_blocks} blocks x {kv.block_size} tokens")
+                       f"{kv.num_blocks} blocks x {kv.block_size} tokens, {kv_dtype}")
     serve_config = ServeConfig(served_model_name=served_model_name or model,
                                api_key=api_key,
                                max_queue=max_queue, log_requests=log_requests)
@@ -96,7 +99,7 @@ def serve(
 def vllm_command(model: str, host: str, port: int, api_key: str | None, served_model_name: str | None,
                  max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int | None, block_size: int,
                  enable_prefix_caching: bool, gpu_memory_utilization: float, tensor_parallel_size: int,
-                 quantization: str | None, dtype: str) -> list[str]:
+                 quantization: str | None, dtype: str, kv_cache_dtype: str = "auto") -> list[str]:
     """`vllm serve` with the flags that mean the same thing there."""
     exe = shutil.which("vllm")
     if exe is None:
@@ -115,6 +118,8 @@ def vllm_command(model: str, host: str, port: int, api_key: str | None, served_m
         argv += ["--max-model-len", str(max_model_len)]
     if quantization:
         argv += ["--quantization", quantization]
+    if kv_cache_dtype != "auto":  # same flag there; vLLM checks the value against what its version supports
+        argv += ["--kv-cache-dtype", kv_cache_dtype]
     if served_model_name:
         argv += ["--served-model-name", served_model_name]
     if api_key:

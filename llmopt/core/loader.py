@@ -14,7 +14,7 @@ from llmopt.core.source import ModelSource, QuantizationInfo, resolve
 from llmopt.core.tokenizer import Tokenizer
 from llmopt.core.weights import load_safetensors, safetensors_files
 from llmopt.errors import LlmoptError
-from llmopt.model.linear import LinearBase
+from llmopt.model.linear import DenseLinear, LinearBase
 from llmopt.model.llama import LlamaForCausalLM, checkpoint_names
 from llmopt.model.rope import rope_inv_freq
 
@@ -45,7 +45,10 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return DTYPES[dtype]
 
 
-def load(source: ModelSource | str, dtype: str = "auto", device: str = "cpu") -> LoadedModel:
+def load(source: ModelSource | str, dtype: str = "auto", device: str = "cpu", int4_kernels: bool = True) -> LoadedModel:
+    """Load a model spec. AWQ / GPTQ projections run on an int4 kernel on CPU unless
+    `int4_kernels` is False: then every layer holds dense dequantized weights (what code
+    that reads or rewrites weights, such as the quantizer, needs)."""
     if isinstance(source, str):
         source = resolve(source)
     try:
@@ -70,7 +73,7 @@ def load(source: ModelSource | str, dtype: str = "auto", device: str = "cpu") ->
             tensors, unpacked = _dequantized(tensors, quant, where=str(source.path))
     tokenizer.extra_eos_token_ids = sorted(set(tokenizer.extra_eos_token_ids) | set(config.eos_token_ids))
     model = build_model(config, tensors, torch_dtype, torch_device, where=str(source.path))
-    if unpacked and torch_device.type == "cpu" and torch_dtype != torch.float32:
+    if unpacked and int4_kernels and torch_device.type == "cpu":
         use_int4_kernels(model, unpacked, torch_dtype)
     return LoadedModel(source=source, config=config, tokenizer=tokenizer, model=model,
                        dtype=torch_dtype, device=torch_device)
@@ -123,14 +126,16 @@ def _dequantized(tensors: dict[str, torch.Tensor], quant: QuantizationInfo, wher
 
 
 def use_int4_kernels(model: LlamaForCausalLM, unpacked: dict, dtype: torch.dtype) -> None:
-    """Swap each int4 projection's dense weight for PyTorch's CPU int4 kernel (bf16/fp16 models).
+    """Swap each int4 projection's dense weight for an int4 kernel layer: llmopt's C++ kernel
+    for fp32 models, PyTorch's CPU int4 kernel for bf16/fp16 ones.
 
     Fused projections (q/k/v, gate/up) join their parts along the output dimension; a
     layer the kernel cannot take (odd group layout) keeps its dense weight.
     """
-    from llmopt.model.int4_linear import int4_linear
+    from llmopt.model.int4_linear import cpu_int4_linear, int4_linear
     from llmopt.quant.quantizer import QuantizedWeight
 
+    swapped = 0
     for name, module in list(model.named_modules()):
         if not isinstance(module, LinearBase):
             continue
@@ -142,10 +147,16 @@ def use_int4_kernels(model: LlamaForCausalLM, unpacked: dict, dtype: torch.dtype
             continue
         joined = QuantizedWeight(codes=torch.cat([q.codes for q in qs]), scales=torch.cat([q.scales for q in qs]),
                                  zeros=torch.cat([q.zeros for q in qs]), g_idx=qs[0].g_idx, scheme=qs[0].scheme)
-        layer = int4_linear(joined, getattr(module, "bias", None), dtype)
+        bias = getattr(module, "bias", None)
+        layer = cpu_int4_linear(joined, bias) if dtype == torch.float32 else int4_linear(joined, bias, dtype)
         if layer is not None:
             parent, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent) if parent else model, child, layer)
+            swapped += 1
+    # with 4-bit projections the fp32 vocabulary projection (often the tied embeddings) would be
+    # the largest read of a decode step: a bf16 copy halves it (docs/benchmarks.md, issue 13)
+    if swapped and dtype == torch.float32 and isinstance(model.lm_head, DenseLinear):
+        model.lm_head.use_bf16_copy()
 
 
 def _stack(tensors: dict[str, torch.Tensor], parts: list[str], where: str) -> torch.Tensor:

@@ -228,8 +228,9 @@ def _humaneval_task(run, model, identity, data: EvalData, s: EvalSettings, optio
     config = {k: getattr(s, k) for k in ("humaneval_mode", "humaneval_samples", "humaneval_max_tokens", "seed", "timeout")}
     if s.humaneval_samples > 1:
         config.update(temperature=s.temperature, top_p=s.top_p)
+    kv_dtype = options.engine.get("kv_cache_dtype", "auto")  # a 16-bit KV cache changes the completions
     key = cache.make_key("humaneval", identity, _sha([(p.task_id, p.prompt, p.test) for p in problems]), config,
-                         options.engine.get("max_model_len"))
+                         options.engine.get("max_model_len"), *([kv_dtype] if kv_dtype != "auto" else []))
     hit = cache.read_json(key) if cached else None
     if hit is not None and set(hit.get("completions", {})) == {p.task_id for p in problems}:
         _note_cache(run, "humaneval", "hit", cache.cache_dir() / f"{key}.json")

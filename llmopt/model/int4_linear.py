@@ -1,4 +1,9 @@
-"""int4 linear layers on PyTorch's CPU int4 kernel (`_weight_int4pack_mm_for_cpu`).
+"""int4 linear layers for AWQ / GPTQ checkpoints on CPU.
+
+- `CpuInt4Linear` (fp32 models, the default on CPU): llmopt's C++ kernel
+  (`llmopt.kernels.cpu_int4`), 4-bit weights times activations quantized to int8 per 32
+  values; the weights stay 4-bit in memory, so a decode step reads ~1/7 of the fp32 bytes.
+- `Int4Linear` (bf16 / fp16 models): PyTorch's CPU int4 kernel (`_weight_int4pack_mm_for_cpu`).
 
 AWQ / GPTQ checkpoints are unpacked by the core into codes + per-group scales and zero
 points; this module repacks them once, at load, into the kernel's own layout. The
@@ -16,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from llmopt.kernels.cpu_int4 import PackedInt4, int4_linear_kernel, repack_int4
 from llmopt.model.linear import LinearBase
 from llmopt.quant.quantizer import QuantizedWeight
 
@@ -68,3 +74,38 @@ def int4_linear(q: QuantizedWeight, bias: torch.Tensor | None, dtype: torch.dtyp
     scales_and_zeros = torch.stack([scales.t(), ((8 - zeros) * scales).t()], dim=-1).to(dtype).contiguous()
     return Int4Linear(packed, scales_and_zeros, width, in_features, out_features,
                       None if bias is None else bias.to(dtype), perm)
+
+
+class CpuInt4Linear(LinearBase):
+    """fp32 in, fp32 out, 4-bit weights in the kernel's layout (`llmopt.kernels.cpu_int4`).
+
+    Every row count goes through the same kernel, so a token's projections are computed
+    identically in a prompt chunk and in a decode step, alone or in a batch.
+    """
+
+    def __init__(self, packed: PackedInt4, bias: torch.Tensor | None, kernel):
+        super().__init__()
+        self.in_features, self.out_features = packed.in_features, packed.out_features
+        self.group_size = packed.group_size
+        self.register_buffer("codes", packed.codes)
+        self.register_buffer("scales", packed.scales)
+        self.register_buffer("scaled_zeros", packed.scaled_zeros)
+        self.register_buffer("perm", packed.perm)
+        self.bias = None if bias is None else torch.nn.Parameter(bias.float().contiguous(), requires_grad=False)
+        self.kernel = kernel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        if flat.dtype is not torch.float32 or not flat.is_contiguous():
+            flat = flat.float().contiguous()
+        y = self.kernel(flat, self.codes, self.scales, self.scaled_zeros, self.out_features, self.group_size, self.perm,
+                        self.bias)
+        return y.view(*x.shape[:-1], self.out_features)
+
+
+def cpu_int4_linear(q: QuantizedWeight, bias: torch.Tensor | None) -> CpuInt4Linear | None:
+    """The C++ kernel layer for `q` (fp32 CPU models), or None when the kernel is not built or
+    cannot take the weight's layout (the caller keeps dense weights)."""
+    kernel = int4_linear_kernel()
+    packed = None if kernel is None else repack_int4(q.codes, q.scales, q.zeros, q.g_idx)
+    return None if packed is None else CpuInt4Linear(packed, bias, kernel)

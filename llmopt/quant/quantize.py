@@ -160,7 +160,7 @@ def quantize(req: QuantizeRequest, on_layer: Callable[[int, int], None] | None =
                                             or source.kind == "gguf"):
         what = source.quantization.details.get("file_type") or source.quantization.method.upper()
         raise LlmoptError(f"{req.model} is already quantized ({what}); quantize from an unquantized model")
-    loaded = load(source, dtype="float32", device=req.device)
+    loaded = load(source, dtype="float32", device=req.device, int4_kernels=False)  # the passes rewrite dense weights
     fmt, scheme = req.resolved_format(), req.scheme()
     calib_info, calib_seconds, sites = None, 0.0, []
     t_quant = time.perf_counter()

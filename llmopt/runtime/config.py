@@ -4,7 +4,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from llmopt.errors import LlmoptError
+
+# `--kv-cache-dtype` values (vLLM's flag; its fp8 variants are not implemented here)
+KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {
+    "auto": None,  # the model's dtype
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float32": torch.float32,
+}
 
 
 @dataclass
@@ -17,6 +27,7 @@ class EngineConfig:
     kv_cache_memory: int | None = None  # bytes for the KV pool; CPU default: 10% of available RAM
     gpu_memory_utilization: float = 0.9  # GPU: fraction of device memory llmopt may use in all
     num_kv_blocks: int | None = None  # exact pool size (tests, benchmarks); overrides the two above
+    kv_cache_dtype: str = "auto"  # KV pool element type (KV_CACHE_DTYPES); "auto": the model's dtype
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
@@ -31,6 +42,27 @@ class EngineConfig:
             raise LlmoptError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise LlmoptError(f"num_kv_blocks must be positive, got {self.num_kv_blocks}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise LlmoptError(f"unknown kv_cache_dtype {self.kv_cache_dtype!r}; choose one of: "
+                              f"{', '.join(KV_CACHE_DTYPES)}")
+
+
+def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The KV pool's element type for `kv_cache_dtype` `name` and a model computing in `model_dtype`.
+
+    A pool wider than the model is refused: K/V are computed in the model's dtype, so it would
+    hold the same values in twice the memory.
+    """
+    if name not in KV_CACHE_DTYPES:
+        raise LlmoptError(f"unknown kv_cache_dtype {name!r}; choose one of: {', '.join(KV_CACHE_DTYPES)}")
+    dtype = KV_CACHE_DTYPES[name] or model_dtype
+    if dtype.itemsize > model_dtype.itemsize:
+        valid = ["auto"] + [n for n, d in KV_CACHE_DTYPES.items()
+                            if d is not None and d.itemsize <= model_dtype.itemsize]
+        model_name = str(model_dtype).removeprefix("torch.")
+        raise LlmoptError(f"kv_cache_dtype {name} is wider than the model's {model_name}: K/V are computed in "
+                          f"{model_name}, so it would only double the cache; choose one of: {', '.join(valid)}")
+    return dtype
 
 
 def available_memory_bytes() -> int:

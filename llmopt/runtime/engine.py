@@ -18,7 +18,7 @@ import torch
 
 from llmopt.core.loader import LoadedModel
 from llmopt.errors import LlmoptError
-from llmopt.runtime.config import EngineConfig, available_memory_bytes
+from llmopt.runtime.config import EngineConfig, available_memory_bytes, resolve_kv_cache_dtype
 from llmopt.runtime.detokenizer import IncrementalDetokenizer
 from llmopt.runtime.kv_cache_manager import KVCacheManager
 from llmopt.runtime.model_runner import ModelRunner, kv_bytes_per_block
@@ -119,13 +119,16 @@ class LLMEngine(EngineFrontend):
         if config.max_model_len is not None and config.max_model_len > model_len:
             raise LlmoptError(f"max_model_len {config.max_model_len} exceeds the model's context of {model_len}")
         self.max_model_len = config.max_model_len or model_len
-        block_bytes = kv_bytes_per_block(loaded.model, config.block_size, loaded.dtype)
+        # a 16-bit pool for an fp32 model holds twice the blocks in the same budget
+        self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, loaded.dtype)
+        block_bytes = kv_bytes_per_block(loaded.model, config.block_size, self.kv_cache_dtype)
         num_blocks = config.num_kv_blocks or self._num_blocks_for_memory(block_bytes)
         if num_blocks < 1:
             raise LlmoptError("the KV cache budget is smaller than one block; raise --kv-cache-memory")
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
-        self.runner = ModelRunner(loaded.model, num_blocks, config.block_size, loaded.dtype, loaded.device)
+        self.runner = ModelRunner(loaded.model, num_blocks, config.block_size, loaded.dtype, loaded.device,
+                                  kv_dtype=self.kv_cache_dtype)
         self.kv_cache_bytes = num_blocks * block_bytes
         self.vocab_size = loaded.config.vocab_size
         self.requests: dict[str, Sequence] = {}
@@ -134,8 +137,10 @@ class LLMEngine(EngineFrontend):
         self.generation_tokens = 0
         tokens = num_blocks * config.block_size
         logger.info(
-            "KV cache: %d blocks of %d tokens = %d tokens (%.2f GiB); maximum concurrency at %d tokens per request: %.2fx",
-            num_blocks, config.block_size, tokens, self.kv_cache_bytes / 2**30, self.max_model_len,
+            "KV cache: %d blocks of %d tokens = %d tokens (%.2f GiB, %s); maximum concurrency at %d tokens per "
+            "request: %.2fx",
+            num_blocks, config.block_size, tokens, self.kv_cache_bytes / 2**30,
+            str(self.kv_cache_dtype).removeprefix("torch."), self.max_model_len,
             tokens / self.max_model_len,
         )
 

@@ -1,8 +1,9 @@
 """Runs our decoder on a scheduled step: packs the flat batch, owns the paged KV memory.
 
 The KV cache is one `[num_blocks * block_size, kv_heads, head_dim]` slot array per layer
-for K and one for V. Each step the runner turns the scheduler's (sequence, tokens) list
-into input ids, positions, slot mappings and gather indices, and runs one forward.
+for K and one for V, in the model's dtype or a narrower `kv_dtype` (`--kv-cache-dtype`).
+Each step the runner turns the scheduler's (sequence, tokens) list into input ids,
+positions, slot mappings and gather indices, and runs one forward.
 Sequences with a single new token (decodes) go first in the batch and share one batched
 attention call; prompt chunks are attended one sequence at a time.
 """
@@ -13,10 +14,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from llmopt.kernels.cpu_paged_attention import decode_kernel
+from llmopt.kernels.cpu_paged_attention import KV_DTYPES as KERNEL_KV_DTYPES, decode_kernel
 from llmopt.kernels.paged_attention import decode_mask, paged_decode_attention, paged_prefill_attention, write_kv
 from llmopt.model.attention import AttentionBackend
 from llmopt.model.llama import LlamaForCausalLM
+from llmopt.runtime.cpu_decode_plan import build_decode_plan, run_decode_plan
 from llmopt.runtime.sequence import Sequence
 
 
@@ -27,7 +29,7 @@ class StepMetadata:
     decode_block_tables: torch.Tensor | None  # [num_decodes, width] padded block tables
     decode_lens: torch.Tensor | None  # [num_decodes] keys per decode (incl. the new token)
     block_size: int = 16
-    dtype: torch.dtype = torch.float32
+    dtype: torch.dtype = torch.float32  # the model's (queries', masks') dtype, not necessarily the cache's
     # per prompt chunk: (start, end) in the batch, its key slots, tokens already cached
     prefills: list[tuple[int, int, torch.Tensor, int]] = field(default_factory=list)
     _masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
@@ -40,13 +42,19 @@ class StepMetadata:
 
 
 class PagedAttentionBackend(AttentionBackend):
-    def __init__(self, k_caches: torch.Tensor, v_caches: torch.Tensor):
+    """Attention over the paged pools. `query_dtype` is the model's dtype (default: the pools');
+    the pools may be narrower (write_kv rounds K/V into them, reads widen them back)."""
+
+    def __init__(self, k_caches: torch.Tensor, v_caches: torch.Tensor, query_dtype: torch.dtype | None = None):
         self.k_caches = k_caches  # [layers, slots, kv_heads, head_dim]
         self.v_caches = v_caches
         self.metadata: StepMetadata | None = None
-        # fp32 on CPU: decode through the C++ kernel (reads K/V from the pool, no gather) where it builds
-        cpu_fp32 = k_caches.device.type == "cpu" and k_caches.dtype == torch.float32
-        self.cpu_decode = decode_kernel() if cpu_fp32 else None
+        # fp32 queries on CPU over an fp32/bf16/fp16 pool: decode through the C++ kernel (reads K/V
+        # from the pool, no gather, 16-bit rows widened in registers) where it builds
+        query_dtype = query_dtype or k_caches.dtype
+        use_kernel = (k_caches.device.type == "cpu" and query_dtype == torch.float32
+                      and k_caches.dtype in KERNEL_KV_DTYPES)
+        self.cpu_decode = decode_kernel() if use_kernel else None
 
     def _decode(self, q, k_cache, v_cache, md: StepMetadata, sliding_window: int | None) -> torch.Tensor:
         if self.cpu_decode is not None:
@@ -88,14 +96,23 @@ def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
 
 
 class ModelRunner:
+    """`dtype`: the model's; `kv_dtype`: the KV pool's (default: the model's)."""
+
     def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int,
-                 dtype: torch.dtype, device: torch.device):
+                 dtype: torch.dtype, device: torch.device, kv_dtype: torch.dtype | None = None):
         cfg = model.config
         self.model = model
         self.block_size = block_size
         self.device = device
+        self.dtype = dtype
+        kv_dtype = kv_dtype or dtype
         shape = (cfg.num_hidden_layers, num_blocks * block_size, cfg.num_key_value_heads, cfg.head_dim)
-        self.attn = PagedAttentionBackend(zeroed(shape, dtype, device), zeroed(shape, dtype, device))
+        self.attn = PagedAttentionBackend(zeroed(shape, kv_dtype, device), zeroed(shape, kv_dtype, device),
+                                          query_dtype=dtype)
+        # decode steps on the CPU kernels: all layers in one C++ call (cpu_decode_plan.py)
+        self.decode_plan = (build_decode_plan(model, kv_dtype)
+                            if device.type == "cpu" and dtype == torch.float32 and self.attn.cpu_decode is not None
+                            else None)
 
     def _slots(self, seq: Sequence, start: int, end: int) -> list[int]:
         bs, table = self.block_size, seq.block_table
@@ -161,10 +178,18 @@ class ModelRunner:
             decode_block_tables=decode_tables,
             decode_lens=None if decode_lens is None else decode_lens.to(self.device),
             block_size=self.block_size,
-            dtype=self.attn.k_caches.dtype,
+            dtype=self.dtype,
             prefills=prefill_meta,
         )
-        hidden = self.model(torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device), self.attn)
+        input_ids, positions_t = torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device)
+        hidden = None
+        if self.decode_plan is not None and not prefills:
+            md = self.attn.metadata
+            hidden = run_decode_plan(self.decode_plan, self.model, input_ids, positions_t, self.attn.k_caches,
+                                     self.attn.v_caches, md.slot_mapping, md.decode_block_tables, md.decode_lens,
+                                     self.block_size)
+        if hidden is None:
+            hidden = self.model(input_ids, positions_t, self.attn)
         self.attn.metadata = None
         if not sample_rows:
             return torch.empty(0, self.model.config.vocab_size), []

@@ -1,0 +1,132 @@
+"""4-bit weight x fp32 activation linear layers on CPU, in C++ (`csrc/int4_linear.cpp`).
+
+AWQ and GPTQ checkpoints store 4-bit codes with a scale and zero point per group of input
+columns. `repack_int4` turns such codes, once at load, into the layout the kernel streams:
+output rows in tiles of 8 (padded with zero rows), each tile's 32-column blocks as 128
+bytes interleaved so one 32-byte load holds 4 codes of each of the 8 rows (low nibbles:
+columns 4c..4c+3, high nibbles: 16 + 4c..), and per group the 8 rows' float scales and
+scale * zero side by side (the kernel's header comment says why). Act-order (GPTQ `desc_act`) weights
+get their input columns sorted by group once here, and the kernel reads the activations
+through that permutation; per-channel weights are one group as wide as the row.
+
+The kernel quantizes activations to int8 per 32 values (scale = max|x| / 127) and takes
+integer dot products; `reference_int4_linear` is the same computation in PyTorch, and
+`dequantize` the plain fp32 weights the PyTorch fallback multiplies by.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from llmopt.kernels.cpu_extension import cpu_ops
+
+BLOCK = 32  # activation quantization block, and the unit groups are made of
+TILE = 8  # output rows interleaved together
+
+
+@dataclass
+class PackedInt4:
+    codes: torch.Tensor  # uint8 [ceil(N / 8), K * 4]
+    scales: torch.Tensor  # fp32 [ceil(N / 8), K / group_size, 8]
+    scaled_zeros: torch.Tensor  # fp32 [ceil(N / 8), K / group_size, 8]: scale * zero
+    out_features: int
+    group_size: int  # a multiple of 32
+    perm: torch.Tensor | None  # int64 [K]: column k of the codes multiplies x[:, perm[k]]
+
+    @property
+    def in_features(self) -> int:
+        return self.codes.shape[1] // 4
+
+
+def _tiled(rows: torch.Tensor, n: int) -> torch.Tensor:
+    """[N, groups] -> [ceil(N / 8), groups, 8], zero rows appended."""
+    padded = torch.zeros(-(-n // TILE) * TILE, rows.shape[1], dtype=rows.dtype)
+    padded[:n] = rows
+    return padded.reshape(-1, TILE, rows.shape[1]).transpose(1, 2).contiguous()
+
+
+def repack_int4(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, g_idx: torch.Tensor) -> PackedInt4 | None:
+    """Codes [N, K] (0..15), scales and zero points [N, groups], the group of each input
+    column [K] -> the kernel's layout; None where the kernel cannot take the weight (K not a
+    multiple of 32, or a group boundary inside a block of 32 columns)."""
+    n, k = codes.shape
+    if k % BLOCK or codes.numel() == 0:
+        return None
+    g = g_idx.long()
+    perm = None
+    if not torch.equal(g, torch.sort(g, stable=True).values):  # act-order: sort the columns by group once
+        perm = torch.argsort(g, stable=True)
+        codes, g = codes[:, perm], g[perm]
+    block_groups = g.reshape(k // BLOCK, BLOCK)
+    if not bool((block_groups == block_groups[:, :1]).all()):
+        return None
+    counts = torch.unique_consecutive(g, return_counts=True)[1]
+    if bool((counts == counts[0]).all()) and torch.equal(torch.unique_consecutive(g), torch.arange(len(counts))):
+        group_size, scales, zeros = int(counts[0]), scales[:, : len(counts)], zeros[:, : len(counts)]
+    else:  # uneven groups (or unused group ids): one scale per block of 32 columns
+        group_size = BLOCK
+        scales, zeros = scales[:, block_groups[:, 0]], zeros[:, block_groups[:, 0]]
+    tiles = -(-n // TILE)
+    c = torch.zeros(tiles * TILE, k, dtype=torch.uint8)
+    c[:n] = codes.to(torch.uint8)
+    # [tile, row, block, half, chunk, byte] -> bytes ordered [tile, block, chunk, row, byte]
+    c = c.reshape(tiles, TILE, k // BLOCK, 2, 4, 4)
+    packed = (c[:, :, :, 0] | (c[:, :, :, 1] << 4)).permute(0, 2, 3, 1, 4).reshape(tiles, k * 4).contiguous()
+    scales = scales.float()
+    return PackedInt4(packed, _tiled(scales, n), _tiled(scales * zeros.float(), n), n, group_size, perm)
+
+
+def _rows(tiled: torch.Tensor, n: int) -> torch.Tensor:
+    """[ceil(N / 8), groups, 8] -> [N, groups]."""
+    return tiled.transpose(1, 2).reshape(-1, tiled.shape[1])[:n]
+
+
+def unpack_codes(packed: PackedInt4) -> torch.Tensor:
+    """The codes [N, K] in the packed column order."""
+    tiles, k = packed.codes.shape[0], packed.in_features
+    b = packed.codes.reshape(tiles, k // BLOCK, 4, TILE, 4)  # tile, block, chunk, row, byte
+    halves = torch.stack([b & 0x0F, b >> 4], dim=2)  # tile, block, half, chunk, row, byte
+    return halves.permute(0, 4, 1, 2, 3, 5).reshape(tiles * TILE, k)[: packed.out_features]
+
+
+def _dequantized_packed_order(packed: PackedInt4, dtype: torch.dtype) -> torch.Tensor:
+    w = unpack_codes(packed).to(dtype)
+    n, k = w.shape
+    scales, zeros = _rows(packed.scales, n).to(dtype), _rows(packed.scaled_zeros, n).to(dtype)
+    return (w.reshape(n, k // packed.group_size, packed.group_size) * scales[..., None] - zeros[..., None]).reshape(n, k)
+
+
+def dequantize(packed: PackedInt4) -> torch.Tensor:
+    """fp32 weights [N, K] in the original column order."""
+    w = _dequantized_packed_order(packed, torch.float32)
+    if packed.perm is not None:
+        w = torch.empty_like(w).index_copy_(1, packed.perm, w)
+    return w
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] fp32 -> (int8 codes as fp32 [M, K / 32, 32], scales [M, K / 32, 1]), as the kernel does."""
+    blocks = x.float().reshape(x.shape[0], -1, BLOCK)
+    d = blocks.abs().amax(dim=-1, keepdim=True) / 127
+    inv = torch.where(d != 0, 1 / d, torch.zeros_like(d))
+    return (blocks * inv).round(), d
+
+
+def reference_int4_linear(x: torch.Tensor, packed: PackedInt4, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The kernel's computation in PyTorch (float64 sums): int8 activations per 32 values."""
+    if packed.perm is not None:
+        x = x[:, packed.perm]
+    q, d = quantize_activations(x)
+    w = _dequantized_packed_order(packed, torch.float64)
+    y = ((q.double() * d.double()).reshape(x.shape[0], w.shape[1]) @ w.T).float()
+    return y if bias is None else y + bias
+
+
+def int4_linear_kernel() -> Callable | None:
+    """`int4_linear(x [M, K] fp32, codes, scales, scaled_zeros, out_features, group_size, perm=None, bias=None)`,
+    or None where the CPU kernels cannot be built (then multiply by `dequantize`d weights)."""
+    ops = cpu_ops()
+    return None if ops is None else ops.int4_linear

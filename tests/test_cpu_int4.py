@@ -1,0 +1,113 @@
+"""The C++ int4 kernel (`llmopt.kernels.cpu_int4`) against its PyTorch reference and the
+dequantize-then-matmul path, on weights read back from AWQ and GPTQ checkpoint layouts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llmopt.kernels.cpu_int4 import (dequantize, int4_linear_kernel, quantize_activations, reference_int4_linear,
+                                     repack_int4)
+from llmopt.quant.formats import pack_tensors, unpack_tensors
+from llmopt.quant.quantizer import QuantizedWeight, QuantScheme, quantize_rtn
+
+kernel = int4_linear_kernel()
+pytestmark = pytest.mark.skipif(kernel is None, reason="the CPU kernels could not be built here")
+
+
+def checkpoint_weight(fmt: str, out_features: int, in_features: int, group_size: int, act_order: bool,
+                      seed: int) -> QuantizedWeight:
+    """An RTN-quantized random weight written in `fmt`'s packed layout and read back as the loader does."""
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(out_features, in_features, generator=gen) * in_features ** -0.5
+    q = quantize_rtn(w, QuantScheme(group_size=group_size))
+    if act_order:  # GPTQ desc_act: columns assigned to groups in a permuted order
+        g_idx = q.g_idx[torch.randperm(in_features, generator=gen)]
+        q = QuantizedWeight(q.codes, q.scales, q.zeros, g_idx, q.scheme)
+    tensors = pack_tensors(fmt, "p", q)
+    return unpack_tensors(fmt, tensors, "p", 4, group_size)
+
+
+def run(x: torch.Tensor, packed, bias=None) -> torch.Tensor:
+    return kernel(x, packed.codes, packed.scales, packed.scaled_zeros, packed.out_features, packed.group_size, packed.perm,
+                  bias)
+
+
+LAYOUTS = [("awq", 32, False), ("awq", 64, False), ("awq", 128, False), ("awq", -1, False),
+           ("gptq", 64, False), ("gptq", 128, True), ("gptq", 32, True), ("gptq", -1, False)]
+
+
+@pytest.mark.parametrize("fmt,group_size,act_order", LAYOUTS)
+@pytest.mark.parametrize("rows", [1, 2, 5, 33, 97])
+def test_kernel_matches_reference(fmt, group_size, act_order, rows):
+    out_features, in_features = (200, 256) if group_size != 32 else (72, 576)  # odd tile counts: 200 = 4 * 50, 72 = 4 * 18
+    q = checkpoint_weight(fmt, out_features, in_features, group_size, act_order, seed=rows)
+    packed = repack_int4(q.codes, q.scales, q.zeros, q.g_idx)
+    assert packed is not None and (packed.perm is not None) == act_order
+    torch.testing.assert_close(dequantize(packed), q.dequantize(), rtol=0, atol=1e-6)
+    x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(7))
+    got = run(x, packed)
+    ref = reference_int4_linear(x, packed)
+    # same int8 codes and integer dots; only fp32 rounding of the block sums differs
+    assert (got - ref).abs().max().item() < 1e-5 * ref.abs().max().item() + 1e-6
+    # against fp32 activations (the dequantized path): the int8 rounding, ~0.4% per 32 values
+    dense = x @ q.dequantize().T
+    rel = ((got - dense).norm() / dense.norm()).item()
+    assert rel < 0.01, rel
+
+
+@pytest.mark.parametrize("out_features", [1, 3, 5, 7, 13])
+def test_odd_output_widths(out_features):
+    q = checkpoint_weight("gptq", out_features * 8, 64, 32, False, seed=out_features)
+    codes, scales, zeros = q.codes[:out_features], q.scales[:out_features], q.zeros[:out_features]
+    packed = repack_int4(codes, scales, zeros, q.g_idx)
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(1))
+    ref = reference_int4_linear(x, packed)
+    assert (run(x, packed) - ref).abs().max().item() < 1e-5 * ref.abs().max().item() + 1e-6
+
+
+def test_rows_do_not_depend_on_the_batch():
+    """Bitwise: a row's output is the same alone, in any batch size, at any position."""
+    q = checkpoint_weight("awq", 136, 576, 64, False, seed=3)
+    packed = repack_int4(q.codes, q.scales, q.zeros, q.g_idx)
+    x = torch.randn(97, 576, generator=torch.Generator().manual_seed(4))
+    full = run(x, packed)
+    for rows in (1, 2, 3, 4, 5, 8, 31):
+        assert torch.equal(run(x[:rows].contiguous(), packed), full[:rows])
+    assert torch.equal(run(x[50:51].contiguous(), packed), full[50:51])
+    assert torch.equal(run(x.flip(0).contiguous(), packed), full.flip(0))
+
+
+def test_bias_and_zero_rows():
+    q = checkpoint_weight("awq", 64, 128, 64, False, seed=5)
+    packed = repack_int4(q.codes, q.scales, q.zeros, q.g_idx)
+    x = torch.randn(4, 128, generator=torch.Generator().manual_seed(6))
+    bias = torch.randn(64, generator=torch.Generator().manual_seed(8))
+    torch.testing.assert_close(run(x, packed, bias) - run(x, packed), bias.expand(4, 64), rtol=1e-5, atol=1e-5)
+    assert run(torch.empty(0, 128), packed).shape == (0, 64)
+    x[1] = 0  # an all-zero block has scale 0: its codes are 0, not NaN
+    assert torch.isfinite(run(x, packed)).all() and (run(x, packed)[1] == 0).all()
+
+
+def test_activation_codes_round_half_to_even_like_the_kernel():
+    x = torch.tensor([[127.0, 0.5, 1.5, 2.5, -0.5, -1.5] + [0.0] * 26])
+    q, d = quantize_activations(x)
+    assert d.item() == 1.0 and q[0, 0, :6].tolist() == [127.0, 0.0, 2.0, 2.0, -0.0, -2.0]
+    packed = repack_int4(torch.full((8, 32), 9), torch.ones(8, 1), torch.full((8, 1), 8), torch.zeros(32, dtype=torch.int32))
+    assert run(x, packed)[0, 0].item() == 127 + 0 + 2 + 2 + 0 - 2  # weights all exactly 1
+
+
+def test_layouts_the_kernel_cannot_take_are_refused():
+    codes, scales, zeros = torch.zeros(8, 48, dtype=torch.uint8), torch.ones(8, 3), torch.zeros(8, 3)
+    assert repack_int4(codes, scales, zeros, torch.arange(48) // 16) is None  # K not a multiple of 32
+    codes, scales, zeros = torch.zeros(8, 64, dtype=torch.uint8), torch.ones(8, 4), torch.zeros(8, 4)
+    assert repack_int4(codes, scales, zeros, torch.arange(64) // 16) is None  # groups of 16 split a block
+    # uneven act-order groups that still fill whole blocks: one scale per block of 32
+    g_idx = torch.tensor([0] * 32 + [1] * 64 + [2] * 32)[torch.randperm(128, generator=torch.Generator().manual_seed(0))]
+    scales = torch.rand(8, 3) + 0.5
+    zeros = torch.randint(0, 16, (8, 3))
+    codes = torch.randint(0, 16, (8, 128), generator=torch.Generator().manual_seed(1))
+    packed = repack_int4(codes, scales, zeros, g_idx)
+    assert packed is not None and packed.group_size == 32
+    ref = QuantizedWeight(codes, scales, zeros, g_idx.int(), QuantScheme(group_size=32)).dequantize()
+    torch.testing.assert_close(dequantize(packed), ref, rtol=1e-6, atol=1e-5)  # s*c - s*z vs (c - z)*s
