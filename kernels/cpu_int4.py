@@ -1,4 +1,4 @@
-"""4-bit weight x fp32 activation linear layers on CPU, in C++ (`csrc/int4_linear.cpp`).
+"""4-bit (and 8-bit) weight x fp32 activation linear layers on CPU, in C++ (`csrc/int4_linear.cpp`).
 
 AWQ and GPTQ checkpoints store 4-bit codes with a scale and zero point per group of input
 columns. `repack_int4` turns such codes, once at load, into the layout the kernel streams:
@@ -9,7 +9,11 @@ scale * zero side by side (the kernel's header comment says why). Act-order (GPT
 get their input columns sorted by group once here, and the kernel reads the activations
 through that permutation; per-channel weights are one group as wide as the row.
 
-The kernel quantizes activations to int8 per 32 values (scale = max|x| / 127) and takes
+`repack_int8` quantizes an fp32 weight to 8 bits per 32 columns (llama.cpp's Q8_0, which
+its own GGUF files use for the vocabulary projection) in the same tiled order, for
+`int8_linear`.
+
+The kernels quantize activations to int8 per 32 values (scale = max|x| / 127) and takes
 integer dot products; `reference_int4_linear` is the same computation in PyTorch, and
 `dequantize` the plain fp32 weights the PyTorch fallback multiplies by.
 """
@@ -130,3 +134,50 @@ def int4_linear_kernel() -> Callable | None:
     or None where the CPU kernels cannot be built (then multiply by `dequantize`d weights)."""
     ops = cpu_ops()
     return None if ops is None else ops.int4_linear
+
+
+@dataclass
+class PackedInt8:
+    codes: torch.Tensor  # int8 [ceil(N / 8), K * 8]
+    scales: torch.Tensor  # fp32 [ceil(N / 8), K / 32, 8]
+    out_features: int
+
+    @property
+    def in_features(self) -> int:
+        return self.codes.shape[1] // TILE
+
+
+def repack_int8(w: torch.Tensor) -> PackedInt8 | None:
+    """fp32 [N, K] -> 8-bit codes with one scale per row and 32 columns (scale = max|w| / 127,
+    codes = round(w / scale), as llama.cpp's Q8_0); None when K is not a multiple of 32."""
+    n, k = w.shape
+    if k % BLOCK or w.numel() == 0:
+        return None
+    q, d = quantize_activations(w.float())  # the same rounding as the activations
+    tiles = -(-n // TILE)
+    codes = torch.zeros(tiles * TILE, k, dtype=torch.int8)
+    codes[:n] = q.reshape(n, k).to(torch.int8)
+    # [tile, row, block, chunk, byte] -> [tile, block, chunk, row, byte]
+    codes = codes.reshape(tiles, TILE, k // BLOCK, 8, 4).permute(0, 2, 3, 1, 4).reshape(tiles, k * TILE).contiguous()
+    return PackedInt8(codes, _tiled(d.reshape(n, k // BLOCK), n), n)
+
+
+def dequantize_int8(packed: PackedInt8) -> torch.Tensor:
+    """fp32 weights [N, K]."""
+    tiles, k = packed.codes.shape[0], packed.in_features
+    codes = packed.codes.reshape(tiles, k // BLOCK, 8, TILE, 4).permute(0, 3, 1, 2, 4).reshape(tiles * TILE, k)
+    n = packed.out_features
+    return (codes[:n].float().reshape(n, k // BLOCK, BLOCK) * _rows(packed.scales, n)[..., None]).reshape(n, k)
+
+
+def reference_int8_linear(x: torch.Tensor, packed: PackedInt8) -> torch.Tensor:
+    """The int8 kernel's computation in PyTorch (float64 sums)."""
+    q, d = quantize_activations(x)
+    return ((q.double() * d.double()).reshape(x.shape[0], -1) @ dequantize_int8(packed).double().T).float()
+
+
+def int8_linear_kernel() -> Callable | None:
+    """`int8_linear(x [M, K] fp32, codes, scales, out_features)`, or None where the CPU kernels
+    cannot be built."""
+    ops = cpu_ops()
+    return None if ops is None else ops.int8_linear

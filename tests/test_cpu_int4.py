@@ -1,13 +1,15 @@
 """The C++ int4 kernel (`llmopt.kernels.cpu_int4`) against its PyTorch reference and the
-dequantize-then-matmul path, on weights read back from AWQ and GPTQ checkpoint layouts."""
+dequantize-then-matmul path, on weights read back from AWQ and GPTQ checkpoint layouts; and
+the int8 (Q8_0) kernel the vocabulary projection of int4 models uses."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from llmopt.kernels.cpu_int4 import (dequantize, int4_linear_kernel, quantize_activations, reference_int4_linear,
-                                     repack_int4)
+from llmopt.kernels.cpu_int4 import (dequantize, dequantize_int8, int4_linear_kernel, int8_linear_kernel,
+                                     quantize_activations, reference_int4_linear, reference_int8_linear, repack_int4,
+                                     repack_int8)
 from llmopt.quant.formats import pack_tensors, unpack_tensors
 from llmopt.quant.quantizer import QuantizedWeight, QuantScheme, quantize_rtn
 
@@ -111,3 +113,40 @@ def test_layouts_the_kernel_cannot_take_are_refused():
     assert packed is not None and packed.group_size == 32
     ref = QuantizedWeight(codes, scales, zeros, g_idx.int(), QuantScheme(group_size=32)).dequantize()
     torch.testing.assert_close(dequantize(packed), ref, rtol=1e-6, atol=1e-5)  # s*c - s*z vs (c - z)*s
+
+
+int8_kernel = int8_linear_kernel()
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 33])
+@pytest.mark.parametrize("out_features", [8, 13, 200])
+def test_int8_kernel_matches_reference(rows, out_features):
+    gen = torch.Generator().manual_seed(rows * 100 + out_features)
+    w = torch.randn(out_features, 576, generator=gen) * 0.05
+    packed = repack_int8(w)
+    # Q8_0: each weight within half a step (max|w| / 127 / 2) of its block's scale grid
+    step = w.reshape(out_features, -1, 32).abs().amax(-1, keepdim=True) / 127
+    assert ((dequantize_int8(packed) - w).reshape(out_features, -1, 32).abs() <= step / 2 + 1e-7).all()
+    x = torch.randn(rows, 576, generator=gen)
+    got = int8_kernel(x, packed.codes, packed.scales, packed.out_features)
+    ref = reference_int8_linear(x, packed)
+    assert (got - ref).abs().max().item() < 1e-5 * ref.abs().max().item() + 1e-6
+    single = int8_kernel(x[-1:].contiguous(), packed.codes, packed.scales, packed.out_features)
+    assert torch.equal(single, got[-1:])  # batch-invariant, bitwise
+    assert ((got - x @ w.T).norm() / (x @ w.T).norm()).item() < 0.02  # int8 x and w: ~0.8% on gaussian rows
+
+
+def test_dense_linear_int8_copy():
+    gen = torch.Generator().manual_seed(9)
+    from llmopt.model.linear import DenseLinear
+
+    layer = DenseLinear(64, 24, bias=True)
+    layer.weight.data = torch.randn(24, 64, generator=gen)
+    layer.bias.data = torch.randn(24, generator=gen)
+    layer.prepare()
+    assert layer.use_compact_copy("int8")
+    x = torch.randn(130, 64, generator=gen)  # more rows than the skinny limit: still the int8 copy
+    q = layer.int8_weight
+    assert torch.equal(layer(x), int8_kernel(x, q.codes, q.scales, q.out_features) + layer.bias)
+    with pytest.raises(ValueError, match="bf16 or int8"):
+        layer.use_compact_copy("fp8")

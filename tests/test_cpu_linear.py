@@ -93,7 +93,7 @@ def test_dense_linear_bf16_copy_serves_every_row_count():
     layer = DenseLinear(64, 40)
     layer.weight.data = torch.randn(40, 64, generator=gen)
     layer.prepare()
-    assert layer.use_bf16_copy() and layer.bf16_weight.dtype == torch.bfloat16
+    assert layer.use_compact_copy("bf16") and layer.bf16_weight.dtype == torch.bfloat16
     assert layer.weight.dtype == torch.float32  # the plain weight stays (tied embeddings read it)
     for rows in (1, SKINNY_MAX_ROWS + 5):
         x = torch.randn(rows, 64, generator=gen)

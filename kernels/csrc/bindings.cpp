@@ -16,6 +16,7 @@ torch::Tensor int4_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor sc
                           int64_t out_features, int64_t group_size, c10::optional<torch::Tensor> perm,
                           c10::optional<torch::Tensor> bias);
 
+torch::Tensor int8_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, int64_t out_features);
 void register_decode_plan(pybind11::module& m);
 
 // The heavy kernels release the GIL: a server's event loop keeps running during a step.
@@ -34,5 +35,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_linear", &int4_linear, release_gil(), "x @ dequant(W).T (+ bias): 4-bit W, int8-quantized x per 32 values",
         pybind11::arg("x"), pybind11::arg("codes"), pybind11::arg("scales"), pybind11::arg("scaled_zeros"),
         pybind11::arg("out_features"), pybind11::arg("group_size"), pybind11::arg("perm") = pybind11::none(), pybind11::arg("bias") = pybind11::none());
+  m.def("int8_linear", &int8_linear, release_gil(), "x @ dequant(W).T: 8-bit W per 32 columns, int8-quantized x",
+        pybind11::arg("x"), pybind11::arg("codes"), pybind11::arg("scales"), pybind11::arg("out_features"));
   register_decode_plan(m);
 }

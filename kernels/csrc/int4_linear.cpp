@@ -125,6 +125,40 @@ inline void int4_tile(const Int4Weights& W, int64_t t, const QuantizedRows& X, i
   for (int m = 0; m < MT; ++m) _mm256_storeu_ps(out + m * ldo, _mm256_sub_ps(acc[m], zacc[m]));
 }
 
+struct Int8Weights {
+  const int8_t* codes;  // [N / 8, K / 32, 256]: tile, block, 8 chunks of 4 columns x 8 rows
+  const float* scales;  // [N / 8, K / 32, 8]
+  int64_t K;
+};
+
+// Symmetric 8-bit weights (llama.cpp's Q8_0: one scale per 32 columns) against int8
+// activations: maddubs needs an unsigned operand, so |w| meets x with w's sign moved onto it.
+template <int MT>
+inline void int8_tile(const Int8Weights& W, int64_t t, const QuantizedRows& X, int64_t m0, float* out, int64_t ldo) {
+  const int64_t K = W.K, nb = K / kBlock;
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[MT];
+  for (int m = 0; m < MT; ++m) acc[m] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const int8_t* wb = W.codes + (t * nb + b) * 256;
+    __m256i dot[MT];
+    for (int m = 0; m < MT; ++m) dot[m] = _mm256_setzero_si256();
+    for (int c = 0; c < 8; ++c) {
+      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + c * 32));
+      const __m256i aw = _mm256_sign_epi8(w, w);
+      for (int m = 0; m < MT; ++m) {
+        const int32_t* x4 = reinterpret_cast<const int32_t*>(X.q.data() + (m0 + m) * K + b * kBlock);
+        const __m256i sx = _mm256_sign_epi8(_mm256_set1_epi32(x4[c]), w);
+        dot[m] = _mm256_add_epi32(dot[m], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sx), ones));
+      }
+    }
+    const __m256 vs = _mm256_loadu_ps(W.scales + (t * nb + b) * kTile);
+    for (int m = 0; m < MT; ++m)
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[m]), _mm256_mul_ps(vs, _mm256_set1_ps(X.d[(m0 + m) * nb + b])), acc[m]);
+  }
+  for (int m = 0; m < MT; ++m) _mm256_storeu_ps(out + m * ldo, acc[m]);
+}
+
 bool int4_simd() { return true; }
 
 #else  // portable C++: the same blocks and sums (not bitwise the AVX2 order)
@@ -154,6 +188,29 @@ inline void int4_tile(const Int4Weights& W, int64_t t, const QuantizedRows& X, i
     }
 }
 
+struct Int8Weights {
+  const int8_t* codes;
+  const float* scales;
+  int64_t K;
+};
+
+template <int MT>
+inline void int8_tile(const Int8Weights& W, int64_t t, const QuantizedRows& X, int64_t m0, float* out, int64_t ldo) {
+  const int64_t K = W.K, nb = K / kBlock;
+  for (int m = 0; m < MT; ++m)
+    for (int r = 0; r < kTile; ++r) {
+      const int8_t* x = X.q.data() + (m0 + m) * K;
+      float acc = 0.f;
+      for (int64_t b = 0; b < nb; ++b) {
+        int32_t dot = 0;
+        for (int c = 0; c < 8; ++c)
+          for (int i = 0; i < 4; ++i) dot += W.codes[(t * nb + b) * 256 + c * 32 + r * 4 + i] * x[b * kBlock + c * 4 + i];
+        acc = std::fma(static_cast<float>(dot), W.scales[(t * nb + b) * kTile + r] * X.d[(m0 + m) * nb + b], acc);
+      }
+      out[m * ldo + r] = acc;
+    }
+}
+
 bool int4_simd() { return false; }
 
 #endif
@@ -163,6 +220,12 @@ inline void tile_rows(const Int4Weights& W, int64_t t, const QuantizedRows& X, i
   int64_t m = 0;
   for (; m + 4 <= M; m += 4) int4_tile<4>(W, t, X, m, out + m * ldo + t * kTile, ldo);
   for (; m < M; ++m) int4_tile<1>(W, t, X, m, out + m * ldo + t * kTile, ldo);
+}
+
+inline void int8_tile_rows(const Int8Weights& W, int64_t t, const QuantizedRows& X, int64_t M, float* out, int64_t ldo) {
+  int64_t m = 0;
+  for (; m + 4 <= M; m += 4) int8_tile<4>(W, t, X, m, out + m * ldo + t * kTile, ldo);
+  for (; m < M; ++m) int8_tile<1>(W, t, X, m, out + m * ldo + t * kTile, ldo);
 }
 
 }  // namespace
@@ -205,4 +268,29 @@ torch::Tensor int4_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor sc
   auto out = N == tiles * kTile ? padded : padded.narrow(1, 0, N).contiguous();
   if (bias.has_value()) out.add_(bias.value());
   return out;
+}
+
+// y = x @ (codes * scale).T: symmetric 8-bit weights, one scale per row and 32 columns (Q8_0);
+// the same int8 activations and the same tile order as int4_linear.
+torch::Tensor int8_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, int64_t out_features) {
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(), "int8_linear: x fp32 [M, K] contiguous");
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(K % kBlock == 0, "int8_linear: K must be a multiple of 32");
+  TORCH_CHECK(codes.dtype() == torch::kInt8 && codes.dim() == 2 && codes.is_contiguous() && codes.size(1) == K * kTile,
+              "int8_linear: codes int8 [N / 8, K * 8] contiguous");
+  const int64_t tiles = codes.size(0), N = out_features;
+  TORCH_CHECK(N > (tiles - 1) * kTile && N <= tiles * kTile, "int8_linear: out_features does not match the codes");
+  TORCH_CHECK(scales.dtype() == torch::kFloat32 && scales.is_contiguous() && scales.numel() == tiles * (K / kBlock) * kTile,
+              "int8_linear: scales fp32 [N / 8, K / 32, 8]");
+  auto padded = torch::empty({M, tiles * kTile}, x.options());
+  if (M > 0) {
+    const QuantizedRows X = quantize_rows(x.data_ptr<float>(), M, K, 1, nullptr);
+    const Int8Weights W{codes.data_ptr<int8_t>(), scales.data_ptr<float>(), K};
+    float* op = padded.data_ptr<float>();
+    const int64_t ldo = tiles * kTile;
+    at::parallel_for(0, tiles, 4, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) int8_tile_rows(W, t, X, M, op, ldo);
+    });
+  }
+  return N == tiles * kTile ? padded : padded.narrow(1, 0, N).contiguous();
 }

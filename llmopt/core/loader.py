@@ -125,6 +125,11 @@ def _dequantized(tensors: dict[str, torch.Tensor], quant: QuantizationInfo, wher
     return dequantize_checkpoint(tensors, quant.method, int(quant.bits), int(quant.group_size), gptq_v2=v2)
 
 
+# The vocabulary projection's copy on fp32 CPU int4 models: "int8" (llama.cpp's Q8_0, what
+# its own GGUF files use for this tensor) or "bf16"; measured side by side in docs/benchmarks.md.
+INT4_MODEL_LM_HEAD = "int8"
+
+
 def use_int4_kernels(model: LlamaForCausalLM, unpacked: dict, dtype: torch.dtype) -> None:
     """Swap each int4 projection's dense weight for an int4 kernel layer: llmopt's C++ kernel
     for fp32 models, PyTorch's CPU int4 kernel for bf16/fp16 ones.
@@ -154,9 +159,9 @@ def use_int4_kernels(model: LlamaForCausalLM, unpacked: dict, dtype: torch.dtype
             setattr(model.get_submodule(parent) if parent else model, child, layer)
             swapped += 1
     # with 4-bit projections the fp32 vocabulary projection (often the tied embeddings) would be
-    # the largest read of a decode step: a bf16 copy halves it (docs/benchmarks.md, issue 13)
+    # the largest read of a decode step: run it on a compact copy (docs/benchmarks.md, issue 13)
     if swapped and dtype == torch.float32 and isinstance(model.lm_head, DenseLinear):
-        model.lm_head.use_bf16_copy()
+        model.lm_head.use_compact_copy(INT4_MODEL_LM_HEAD)
 
 
 def _stack(tensors: dict[str, torch.Tensor], parts: list[str], where: str) -> torch.Tensor:

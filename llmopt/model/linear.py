@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llmopt.kernels.cpu_int4 import PackedInt8, int8_linear_kernel, repack_int8
 from llmopt.kernels.cpu_linear import SKINNY_MAX_ROWS, skinny_linear_kernel
 
 
@@ -41,9 +42,11 @@ class DenseLinear(LinearBase):
     depend on the other rows. The packed copy sits beside the plain weight (checkpoints and
     tied embeddings use that one).
 
-    `use_bf16_copy()` makes every fp32 CPU call multiply by a bf16 copy of the weight through
-    the skinny kernel, whatever the row count: half the bytes per decode step (int4 models
-    use it for the vocabulary projection, `llmopt.core.loader`).
+    `use_compact_copy("bf16" | "int8")` makes every fp32 CPU call, whatever the row count,
+    multiply by a smaller copy of the weight: bf16 through the skinny kernel (half the bytes),
+    or 8 bits per weight with a scale per 32 columns (llama.cpp's Q8_0) through the int8
+    kernel of `llmopt.kernels.cpu_int4` (a quarter). int4 models use it for the vocabulary
+    projection (`llmopt.core.loader`).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
@@ -55,6 +58,8 @@ class DenseLinear(LinearBase):
         self.onednn_weight: torch.Tensor | None = None
         self.skinny: Callable | None = None
         self.bf16_weight: torch.Tensor | None = None
+        self.int8_weight: PackedInt8 | None = None
+        self.int8_kernel: Callable | None = None
 
     def prepare(self) -> None:
         """Once the weights are loaded: pick the fp32 CPU kernels this layer can use."""
@@ -66,20 +71,38 @@ class DenseLinear(LinearBase):
         if self.out_features > WIDE_OUTPUT and torch.backends.mkldnn.is_available():
             self.onednn_weight = w.detach().to_mkldnn()
 
-    def use_bf16_copy(self) -> bool:
-        """Multiply fp32 CPU inputs by a bf16 copy of the weight from now on; False (and no
-        copy) where the skinny kernel is not available or the weight is not fp32 on CPU."""
+    def use_compact_copy(self, kind: str) -> bool:
+        """Multiply fp32 CPU inputs by a "bf16" or "int8" copy of the weight from now on; False
+        (and no copy) where the kernel is not available or the weight is not fp32 on CPU."""
         w = self.weight
-        kernel = skinny_linear_kernel()
-        if kernel is None or w.device.type != "cpu" or w.dtype != torch.float32:
+        if w.device.type != "cpu" or w.dtype != torch.float32:
             return False
-        self.skinny, self.bf16_weight, self.onednn_weight = kernel, w.detach().to(torch.bfloat16).contiguous(), None
+        if kind == "bf16":
+            kernel = skinny_linear_kernel()
+            if kernel is None:
+                return False
+            self.skinny, self.bf16_weight = kernel, w.detach().to(torch.bfloat16).contiguous()
+        elif kind == "int8":
+            kernel, packed = int8_linear_kernel(), repack_int8(w.detach())
+            if kernel is None or packed is None:
+                return False
+            self.int8_kernel, self.int8_weight = kernel, packed
+        else:
+            raise ValueError(f"unknown compact weight kind {kind!r}; choose bf16 or int8")
+        self.onednn_weight = None
         return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
-        if self.bf16_weight is not None and x.dtype is torch.float32 and x.device.type == "cpu":
-            out = self.skinny(x.reshape(rows, self.in_features).contiguous(), self.bf16_weight, self.bias)
+        if (self.bf16_weight is not None or self.int8_weight is not None) and x.dtype is torch.float32 \
+                and x.device.type == "cpu":
+            flat = x.reshape(rows, self.in_features).contiguous()
+            if self.int8_weight is not None:
+                q = self.int8_weight
+                out = self.int8_kernel(flat, q.codes, q.scales, q.out_features)
+                out = out if self.bias is None else out + self.bias
+            else:
+                out = self.skinny(flat, self.bf16_weight, self.bias)
             return out.view(*x.shape[:-1], self.out_features)
         w = self.weight
         # re-checked per call (cheap): weights may have been moved, cast or replaced since prepare()

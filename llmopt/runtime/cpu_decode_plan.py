@@ -30,7 +30,7 @@ def _linear_spec(ops: Any, layer: torch.nn.Module) -> Any | None:
     if isinstance(layer, CpuInt4Linear):
         return ops.int4_linear_spec(layer.codes, layer.scales, layer.scaled_zeros, layer.out_features,
                                     layer.group_size, layer.perm, layer.bias)
-    if isinstance(layer, DenseLinear) and layer.skinny is not None:
+    if isinstance(layer, DenseLinear) and layer.skinny is not None and layer.int8_weight is None:
         if layer.bf16_weight is not None:
             return ops.dense_linear_spec(layer.bf16_weight, layer.bias)
         w = layer.weight
