@@ -8,8 +8,10 @@
 2. Prefix caching: 32 requests sharing a ~1,000-token system prompt; mean TTFT with and
    without prefix caching, and the hit rate.
 3. KV memory: peak KV bytes in use vs what pre-allocating max length per request needs.
+With --extra-model SPEC (an AWQ / GPTQ folder, say), the throughput workload also runs on
+that checkpoint, side by side with the fp32 default model; --skip-hf leaves out transformers.
 
-Usage: python scripts/bench_runtime.py [--num-requests 64] [--json out.json]
+Usage: python scripts/bench_runtime.py [--num-requests 64] [--extra-model DIR] [--skip-hf] [--json out.json]
 """
 
 from __future__ import annotations
@@ -72,6 +74,9 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--sequential-requests", type=int, default=8)
     ap.add_argument("--prefix-requests", type=int, default=32)
+    ap.add_argument("--extra-model", action="append", default=[],
+                    help="also run the throughput workload on this spec (e.g. an AWQ folder); repeatable")
+    ap.add_argument("--skip-hf", action="store_true", help="skip the transformers baselines")
     ap.add_argument("--skip-throughput", action="store_true")
     ap.add_argument("--skip-prefix", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
@@ -85,6 +90,18 @@ def main() -> None:
     if not args.skip_throughput:
         requests = make_chat_workload(encode_chat, args.num_requests, args.min_output, args.max_output, args.seed)
         ours = run_llmopt(loaded, requests, max_num_seqs=args.max_num_seqs)
+        extras = [(spec, run_llmopt(load(spec, dtype="float32"), requests, max_num_seqs=args.max_num_seqs))
+                  for spec in args.extra_model]
+        if extras:
+            print(f"\n## llmopt on other checkpoints: the same {args.num_requests} requests\n")
+            print("| model | output tokens | wall (s) | output tok/s | vs llmopt fp32 |")
+            print("|---|---|---|---|---|")
+            print(f"| default (fp32) | {ours['output_tokens']} | {ours['wall_s']:.1f} | {ours['output_tok_per_s']:.1f} | 1.00x |")
+            for spec, run in extras:
+                print(f"| {spec} | {run['output_tokens']} | {run['wall_s']:.1f} | {run['output_tok_per_s']:.1f} | "
+                      f"{run['output_tok_per_s'] / ours['output_tok_per_s']:.2f}x |")
+            report["extra_models"] = {spec: run["output_tok_per_s"] for spec, run in extras}
+    if not args.skip_throughput and not args.skip_hf:
         hf = load_hf_model(loaded.source.path)
         seq = run_hf_sequential(hf, requests[: args.sequential_requests])
         static = run_hf_static_batches(hf, requests, args.batch_size, pad_token_id=2)

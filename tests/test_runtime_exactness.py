@@ -11,6 +11,7 @@ from llmopt.core import load
 from llmopt.runtime import SamplingParams
 from llmopt.runtime.llm import LLM
 
+NEAR_TIE = 0.1  # nats: int4 tests compare tokens up to the reference's first top-2 gap below this
 SHARED = list(range(11, 31))  # 20 tokens: at least one full block at block size 16
 
 
@@ -108,9 +109,57 @@ def test_default_model_16_prompts(llmopt_cache):
             config = dict(block_size=4, max_num_batched_tokens=32)
         config = {"num_kv_blocks": 2048, **config}
         together, engine = runtime_greedy(loaded, prompts, 16, max_num_seqs=16, **config)
-        assert together == expected, name
+        for i, (got, want) in enumerate(zip(together, expected)):
+            n = decisive_prefix(i)
+            assert got[:n] == want[:n], (name, i, n, got, want)
         if name == "preemption":
             assert engine.stats().num_preemptions > 0
         if name == "tiny-blocks-chunked":
             # prompts trickle in 7 tokens a step, so later ones reuse the chat template's system prompt
             assert engine.stats().prefix_cache_hits > 0
+
+
+@pytest.mark.integration
+def test_default_model_int4_batched_equals_one_at_a_time(llmopt_cache, tmp_path_factory):
+    """An int4 (RTN, group 64) checkpoint of the default model on the CPU int4 kernel: every
+    engine configuration gives the tokens of one-request-at-a-time decoding (the kernel's rows
+    do not depend on the batch, and prompt chunks and decode steps share its arithmetic) up to
+    the first near tie. Chunked prefill and cached prefixes change the attention's float
+    rounding (as for fp32); with int8 activations such a change can move a value across a
+    rounding step, which reaches the logits at the 1e-2 level, so a position where the
+    reference's top-2 log-probability gap is below NEAR_TIE may flip (measured: one flip, at a
+    gap below 0.1, in 16 prompts x 16 tokens). Tokens before it must match exactly."""
+    from llmopt.model.int4_linear import CpuInt4Linear
+    from llmopt.quant.quantize import QuantizeRequest, quantize
+
+    out = tmp_path_factory.mktemp("int4") / "rtn"
+    quantize(QuantizeRequest(model="default", output=out, method="rtn", group_size=64))
+    loaded = load(str(out), dtype="float32")
+    if not any(isinstance(m, CpuInt4Linear) for m in loaded.model.modules()):
+        pytest.skip("the CPU int4 kernel could not be built here")
+    questions = ["What is the capital of France?", "Name a prime number.", "Write one word.", "Why is the sky blue?",
+                 "Say hello in Spanish.", "What is 7 times 8?", "Describe a cat in five words.", "Who wrote Hamlet?"]
+    prompts = [loaded.tokenizer.encode_chat([{"role": "user", "content": q * (1 + i // 8)}])
+               for i, q in enumerate(questions * 2)]
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=2)
+    alone_llm = LLM(loaded, max_num_seqs=1, enable_prefix_caching=False, num_kv_blocks=512)
+    alone = [alone_llm.generate([p], params)[0].outputs[0] for p in prompts]
+    expected = [o.token_ids for o in alone]
+
+    def decisive_prefix(i: int) -> int:  # tokens before the reference's first near tie
+        gaps = [sorted(lp.values(), reverse=True) for lp in alone[i].logprobs]
+        return next((j for j, g in enumerate(gaps) if g[0] - g[1] < NEAR_TIE), len(gaps))
+
+    assert sum(decisive_prefix(i) for i in range(len(prompts))) >= 8 * len(prompts)  # not empty (measured: 169 of 256)
+    for name, config in CONFIGS.items():
+        if name == "preemption":
+            config = dict(block_size=4, num_kv_blocks=120, max_num_batched_tokens=128)
+        if name == "tiny-blocks-chunked":
+            config = dict(block_size=4, max_num_batched_tokens=32)
+        config = {"num_kv_blocks": 2048, **config}
+        together, engine = runtime_greedy(loaded, prompts, 16, max_num_seqs=16, **config)
+        for i, (got, want) in enumerate(zip(together, expected)):
+            n = decisive_prefix(i)
+            assert got[:n] == want[:n], (name, i, n, got, want)
+        if name == "preemption":
+            assert engine.stats().num_preemptions > 0
