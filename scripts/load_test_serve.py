@@ -6,8 +6,13 @@ streaming chat requests at once, and reports errors, streams that ended without
 `data: [DONE]`, TTFT / inter-token latency percentiles and output throughput. Then
 --disconnects clients start streams and hang up after a few chunks; the script polls
 `/metrics` until running requests and KV usage are back at zero (or says they are not).
-Traffic goes to 127.0.0.1 only. Usage:
+With --sequential N, N requests run one after another (concurrency 1) instead.
+--server llama-cpp starts llama-cpp-python's own OpenAI server on a GGUF file (--model,
+default: the embedded Q4_1 file) for the same load; output tok/s then counts streamed
+chunks (one token each), as it does for llmopt. Traffic goes to 127.0.0.1 only. Usage:
     python scripts/load_test_serve.py [--model default] [--clients 64] [--max-tokens 64]
+    python scripts/load_test_serve.py --model AWQ_DIR --sequential 8 --disconnects 0
+    python scripts/load_test_serve.py --server llama-cpp --sequential 8 --disconnects 0
 """
 
 from __future__ import annotations
@@ -103,25 +108,30 @@ async def disconnect_phase(url: str, n: int) -> None:
           f"kv_cache_usage_perc={kv:g}, request_success{{finished_reason=\"abort\"}}={aborted:g}")
 
 
-async def run(url: str, clients: int, max_tokens: int, disconnects: int) -> None:
+async def run(url: str, clients: int, max_tokens: int, disconnects: int, sequential: int) -> None:
     limits = httpx.Limits(max_connections=clients + 4)
     async with httpx.AsyncClient(limits=limits) as client:
+        await one_client(client, url, 0, 4)  # warm-up (first request pays one-off costs)
         start = time.perf_counter()
-        results = await asyncio.gather(*(one_client(client, url, i, max_tokens) for i in range(clients)))
+        if sequential:
+            results = [await one_client(client, url, i, max_tokens) for i in range(sequential)]
+            clients = 1
+        else:
+            results = await asyncio.gather(*(one_client(client, url, i, max_tokens) for i in range(clients)))
         wall = time.perf_counter() - start
-        metrics = (await client.get(url + "/metrics")).text
+        response = await client.get(url + "/metrics")
+        metrics = response.text if response.status_code == 200 else ""
     errors = [r["error"] for r in results if r["error"]]
     ok = [r for r in results if not r["error"]]
     unfinished = sum(not r["done"] for r in ok)
     ttft = [r["ttft"] for r in ok if r["ttft"] is not None]
     itl = [x for r in ok for x in r["itl"]]
-    gen = next((float(line.split()[-1]) for line in metrics.splitlines()
-                if line.startswith("llmopt:generation_tokens_total")), float("nan"))
-    print("| clients | errors | streams without [DONE] | wall (s) | output tok/s | TTFT p50 / p99 (s) | "
+    gen = sum(r["chunks"] for r in ok)  # one token per streamed chunk (both servers)
+    print("| clients | requests | errors | streams without [DONE] | wall (s) | output tok/s | TTFT p50 / p99 (s) | "
           "ITL p50 / p99 (ms) |")
-    print("|---|---|---|---|---|---|---|")
-    print(f"| {clients} | {len(errors)} | {unfinished} | {wall:.1f} | {gen / wall:.1f} | "
-          f"{pct(ttft, .5):.2f} / {pct(ttft, .99):.2f} | {pct(itl, .5) * 1e3:.0f} / {pct(itl, .99) * 1e3:.0f} |")
+    print("|---|---|---|---|---|---|---|---|")
+    print(f"| {clients} | {len(results)} | {len(errors)} | {unfinished} | {wall:.1f} | {gen / wall:.1f} | "
+          f"{pct(ttft, .5):.2f} / {pct(ttft, .99):.2f} | {pct(itl, .5) * 1e3:.1f} / {pct(itl, .99) * 1e3:.1f} |")
     if errors:
         print("errors:", sorted(set(errors)))
     print(f"\nmean chunks per stream: {statistics.mean(r['chunks'] for r in ok):.1f} (max_tokens {max_tokens})")
@@ -137,23 +147,37 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--disconnects", type=int, default=32)
+    ap.add_argument("--sequential", type=int, default=0, help="N requests one after another instead of --clients")
+    ap.add_argument("--server", choices=["llmopt", "llama-cpp"], default="llmopt")
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="llama-cpp server threads")
     args = ap.parse_args()
+    if args.sequential < 0 or args.clients < 1 or args.max_tokens < 2:
+        ap.error("--sequential must be >= 0, --clients >= 1, --max-tokens >= 2")
+    if args.server == "llama-cpp" and args.disconnects:
+        ap.error("--disconnects reads llmopt's /metrics; use --disconnects 0 with --server llama-cpp")
     proc = None
     url = args.url
     if url is None:
         port = free_port()
         url = f"http://127.0.0.1:{port}"
-        proc = subprocess.Popen([sys.executable, "-m", "llmopt", "serve", args.model, "--port", str(port),
-                                 "--max-num-seqs", str(args.max_num_seqs), "--kv-cache-memory", "1GiB"],
-                                env=os.environ.copy())
+        if args.server == "llama-cpp":
+            from llmopt.core.embedded import default_gguf_path
+
+            gguf = str(default_gguf_path()) if args.model == "default" else args.model
+            command = [sys.executable, "-m", "llama_cpp.server", "--model", gguf, "--port", str(port),
+                       "--n_threads", str(args.threads), "--n_ctx", "2048"]
+        else:
+            command = [sys.executable, "-m", "llmopt", "serve", args.model, "--port", str(port),
+                       "--max-num-seqs", str(args.max_num_seqs), "--kv-cache-memory", "1GiB"]
+        proc = subprocess.Popen(command, env=os.environ.copy())
         for _ in range(600):
             try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                if httpx.get(url + "/v1/models", timeout=1).status_code == 200:
                     break
             except httpx.TransportError:
                 time.sleep(0.2)
     try:
-        asyncio.run(run(url, args.clients, args.max_tokens, args.disconnects))
+        asyncio.run(run(url, args.clients, args.max_tokens, args.disconnects, args.sequential))
     finally:
         if proc is not None:
             proc.terminate()
