@@ -94,24 +94,34 @@ def test_sliding_window_model_through_runtime(tiny_models):
     assert together == expected
 
 
-@pytest.mark.integration
-def test_default_model_16_prompts(llmopt_cache):
-    loaded = load("default", dtype="float32")
+def default_model_prompts(loaded) -> list[list[int]]:
+    """16 chat prompts, the last 8 twice as long."""
     questions = ["What is the capital of France?", "Name a prime number.", "Write one word.", "Why is the sky blue?",
                  "Say hello in Spanish.", "What is 7 times 8?", "Describe a cat in five words.", "Who wrote Hamlet?"]
-    prompts = [loaded.tokenizer.encode_chat([{"role": "user", "content": q * (1 + i // 8)}])
-               for i, q in enumerate(questions * 2)]
-    expected = hf_greedy(loaded.source.path, prompts, 16)
+    return [loaded.tokenizer.encode_chat([{"role": "user", "content": q * (1 + i // 8)}])
+            for i, q in enumerate(questions * 2)]
+
+
+def default_model_configs() -> dict[str, dict]:
+    """CONFIGS sized for the default model's ~40-token prompts."""
+    configs = {}
     for name, config in CONFIGS.items():
         if name == "preemption":
             config = dict(block_size=4, num_kv_blocks=120, max_num_batched_tokens=128)
         if name == "tiny-blocks-chunked":  # a 32-token budget still splits every ~40-token prompt
             config = dict(block_size=4, max_num_batched_tokens=32)
-        config = {"num_kv_blocks": 2048, **config}
+        configs[name] = {"num_kv_blocks": 2048, **config}
+    return configs
+
+
+@pytest.mark.integration
+def test_default_model_16_prompts(llmopt_cache):
+    loaded = load("default", dtype="float32")
+    prompts = default_model_prompts(loaded)
+    expected = hf_greedy(loaded.source.path, prompts, 16)
+    for name, config in default_model_configs().items():
         together, engine = runtime_greedy(loaded, prompts, 16, max_num_seqs=16, **config)
-        for i, (got, want) in enumerate(zip(together, expected)):
-            n = decisive_prefix(i)
-            assert got[:n] == want[:n], (name, i, n, got, want)
+        assert together == expected, name
         if name == "preemption":
             assert engine.stats().num_preemptions > 0
         if name == "tiny-blocks-chunked":
@@ -137,10 +147,7 @@ def test_default_model_int4_batched_equals_one_at_a_time(llmopt_cache, tmp_path_
     loaded = load(str(out), dtype="float32")
     if not any(isinstance(m, CpuInt4Linear) for m in loaded.model.modules()):
         pytest.skip("the CPU int4 kernel could not be built here")
-    questions = ["What is the capital of France?", "Name a prime number.", "Write one word.", "Why is the sky blue?",
-                 "Say hello in Spanish.", "What is 7 times 8?", "Describe a cat in five words.", "Who wrote Hamlet?"]
-    prompts = [loaded.tokenizer.encode_chat([{"role": "user", "content": q * (1 + i // 8)}])
-               for i, q in enumerate(questions * 2)]
+    prompts = default_model_prompts(loaded)
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=2)
     alone_llm = LLM(loaded, max_num_seqs=1, enable_prefix_caching=False, num_kv_blocks=512)
     alone = [alone_llm.generate([p], params)[0].outputs[0] for p in prompts]
@@ -151,12 +158,7 @@ def test_default_model_int4_batched_equals_one_at_a_time(llmopt_cache, tmp_path_
         return next((j for j, g in enumerate(gaps) if g[0] - g[1] < NEAR_TIE), len(gaps))
 
     assert sum(decisive_prefix(i) for i in range(len(prompts))) >= 8 * len(prompts)  # not empty (measured: 169 of 256)
-    for name, config in CONFIGS.items():
-        if name == "preemption":
-            config = dict(block_size=4, num_kv_blocks=120, max_num_batched_tokens=128)
-        if name == "tiny-blocks-chunked":
-            config = dict(block_size=4, max_num_batched_tokens=32)
-        config = {"num_kv_blocks": 2048, **config}
+    for name, config in default_model_configs().items():
         together, engine = runtime_greedy(loaded, prompts, 16, max_num_seqs=16, **config)
         for i, (got, want) in enumerate(zip(together, expected)):
             n = decisive_prefix(i)
