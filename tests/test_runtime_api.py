@@ -122,5 +122,69 @@ def test_async_streaming_and_abort_frees_blocks(tiny):
         with pytest.raises(LlmoptError):
             async for _ in engine.generate("", params):
                 pass
+        engine.shutdown()
 
     asyncio.run(main())
+
+
+def test_async_step_exception_fails_waiting_requests_then_serves_on(tiny):
+    async def main():
+        engine = AsyncLLM.from_spec(tiny, num_kv_blocks=256, max_model_len=128)
+        params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+        real_step, calls = engine.engine.step, 0
+
+        def flaky_step():
+            nonlocal calls
+            calls += 1
+            if calls == 5:
+                raise RuntimeError("boom")
+            return real_step()
+
+        engine.engine.step = flaky_step
+
+        async def run(prompt):
+            return [out async for out in engine.generate(prompt, params)]
+
+        results = await asyncio.wait_for(asyncio.gather(run("the cat"), run("a dog"), return_exceptions=True), 30)
+        assert all(isinstance(r, RuntimeError) and str(r) == "boom" for r in results)
+        stats = engine.stats()
+        assert stats.num_requests_running == 0 and stats.kv_cache_usage_perc == 0.0 and not engine.engine.requests
+        # the engine thread survived: the next request runs to the end
+        outs = await asyncio.wait_for(run("the cat"), 30)
+        assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 30
+        engine.shutdown()
+
+    asyncio.run(main())
+
+
+def test_async_engine_thread_idles_without_polling_and_shuts_down(tiny):
+    async def main():
+        engine = AsyncLLM.from_spec(tiny, num_kv_blocks=256, max_model_len=128)
+        params = SamplingParams(max_tokens=100, temperature=0, ignore_eos=True)
+        real_check, checks = engine.engine.has_unfinished_requests, 0
+
+        def counted_check():
+            nonlocal checks
+            checks += 1
+            return real_check()
+
+        engine.engine.has_unfinished_requests = counted_check
+        await asyncio.sleep(0.2)
+        assert checks <= 1  # asleep on its condition, not polling
+        stream = engine.generate("the cat", params)
+        first = await stream.__anext__()
+        assert not first.finished
+        engine.shutdown()  # mid-request: the waiting stream ends with an error instead of hanging
+        assert not engine._thread.is_alive()
+        with pytest.raises(LlmoptError, match="shut down"):
+            await asyncio.wait_for(_drain(stream), 10)
+        assert not engine.engine.requests and engine.stats().kv_cache_usage_perc == 0.0
+        with pytest.raises(LlmoptError, match="shut down"):
+            engine.add_request("the cat", params)
+
+    asyncio.run(main())
+
+
+async def _drain(stream) -> None:
+    async for _ in stream:
+        pass

@@ -29,6 +29,9 @@ def free_port() -> int:
 
 def start_server(model: str, *flags: str, output=subprocess.PIPE) -> tuple[subprocess.Popen, str]:
     """`llmopt serve MODEL` on a free port; returns once /health answers."""
+    from llmopt.kernels.cpu_extension import cpu_ops
+
+    cpu_ops()  # build the C++ kernels here first (once per session cache, ~90 s), not inside the startup wait
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "llmopt", "serve", model, "--port", str(port), *flags],
                             stdout=output, stderr=subprocess.STDOUT, text=True, env=os.environ.copy())
@@ -261,3 +264,33 @@ def test_queue_limit_gives_503_and_logs_hide_prompts(tiny_models):
         log = proc.communicate(timeout=20)[0]
     assert "request " in log and "prompt tokens" in log  # requests are logged ...
     assert "secret words" not in log  # ... without their prompts unless --log-requests
+
+
+def test_in_process_app_fails_requests_on_engine_errors_and_stops_the_engine_thread(tiny_models):
+    """A step that raises ends the HTTP request (500) instead of leaving it waiting, the engine
+    serves the next request, and the app's lifespan stops the engine thread on shutdown."""
+    from starlette.testclient import TestClient
+
+    from llmopt.runtime.async_engine import AsyncLLM
+    from llmopt.serve.app import ServeConfig, build_app
+
+    engine = AsyncLLM.from_spec(load(str(tiny_models["llama"]), dtype="float32"), num_kv_blocks=64, max_model_len=128)
+    real_step = engine.engine.step
+    broken = True
+
+    def step():
+        if broken:
+            raise RuntimeError("boom")
+        return real_step()
+
+    engine.engine.step = step
+    body = {"prompt": "the cat", "max_tokens": 5, "temperature": 0, "ignore_eos": True}
+    with TestClient(build_app(engine, ServeConfig(served_model_name=MODEL)), raise_server_exceptions=False) as http:
+        assert http.post("/v1/completions", json=body).status_code == 500
+        assert engine.stats().kv_cache_usage_perc == 0.0
+        broken = False
+        with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as resp:
+            lines = [line for line in resp.iter_lines() if line.startswith("data: ")]
+        assert lines[-1] == "data: [DONE]" and len(lines) >= 2
+        assert engine._thread.is_alive()
+    assert not engine._thread.is_alive()

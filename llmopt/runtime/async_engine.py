@@ -1,34 +1,60 @@
 """AsyncLLM: the engine behind an asyncio API, for the server.
 
-`generate()` is an async iterator of incremental `RequestOutput`s. A background task
-steps the engine (in a worker thread, so the event loop stays responsive) while any
-request is unfinished, and stops when none is. Cancelling or closing the iterator — a
-client that went away — aborts the request and frees its KV blocks.
+`generate()` is an async iterator of incremental `RequestOutput`s. One dedicated engine
+thread steps the engine back to back while any request is unfinished and sleeps on a
+condition when none is; each step's outputs reach the requests' asyncio queues in one
+`call_soon_threadsafe` per event loop, so the event loop's work (HTTP, JSON, SSE writes)
+runs during the next step (wherever that step has released the GIL) rather than between
+steps. add_request, abort and stats take the engine lock between steps. Cancelling or closing the iterator — a client that went away — aborts the request
+and frees its KV blocks. A step that raises fails every request in flight (each waiting
+consumer gets the exception, their KV blocks are freed) and the thread goes on serving new
+requests. `shutdown()` stops the thread. Creating an AsyncLLM frees the creating thread's
+idle OpenMP workers, which would otherwise slow the engine thread's steps (see
+`_release_openmp_threads`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import ctypes
 import itertools
+import logging
+import os
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from llmopt.core.loader import LoadedModel
+from llmopt.errors import LlmoptError
 from llmopt.runtime.config import EngineConfig
 from llmopt.runtime.engine import EngineStats, LLMEngine, PromptType
 from llmopt.runtime.outputs import RequestOutput
 from llmopt.runtime.sampling_params import SamplingParams
 
+logger = logging.getLogger("llmopt.runtime")
+
+_Item = RequestOutput | BaseException
+_Sink = tuple[asyncio.AbstractEventLoop, "asyncio.Queue[_Item]"]
+
 
 class AsyncLLM:
     def __init__(self, engine: LLMEngine):
         self.engine = engine
-        # the engine is not thread-safe: steps (worker thread) and add/abort (event loop) take turns
+        # the engine is not thread-safe: steps (engine thread) and add/abort/stats (event loop) take turns
         self._lock = threading.Lock()
-        self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
-        self._loop_task: asyncio.Task | None = None
+        self._work = threading.Condition(self._lock)  # the idle engine thread sleeps here until add_request
+        # threading.Lock is not fair: the engine thread would re-take it right after a step and keep
+        # add/abort/stats waiting for many steps, so it waits between steps while they are queued
+        self._guests = 0
+        self._guests_cv = threading.Condition()
+        # added and aborted under the lock; the engine thread reads it with single dict operations
+        self._sinks: dict[str, _Sink] = {}
+        self._closed = False
         self._ids = itertools.count()
+        self._thread = threading.Thread(target=self._run, name="llmopt-engine", daemon=True)
+        self._thread.start()
+        _release_openmp_threads()
 
     @classmethod
     def from_spec(cls, model: str | LoadedModel = "default", dtype: str = "auto", device: str = "cpu",
@@ -51,17 +77,20 @@ class AsyncLLM:
     def add_request(self, prompt: PromptType, params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
         """Validate and queue a request (raises LlmoptError now, before any output); call
-        `stream_outputs(request_id)` next. Must run inside the event loop."""
+        `stream_outputs(request_id)` next. Must run inside the event loop that will consume it."""
         request_id = request_id if request_id is not None else f"async-{next(self._ids)}"
-        with self._lock:
+        loop = asyncio.get_running_loop()
+        with self._engine_turn():
+            if self._closed:
+                raise LlmoptError("the engine is shut down")
             self.engine.add_request(prompt, params, request_id=request_id)
-            self._queues[request_id] = asyncio.Queue()
-        self._ensure_loop()
+            self._sinks[request_id] = (loop, asyncio.Queue())
+            self._work.notify()
         return request_id
 
     async def stream_outputs(self, request_id: str) -> AsyncIterator[RequestOutput]:
         """Outputs of an added request as tokens arrive; closing early aborts it."""
-        queue = self._queues[request_id]
+        queue = self._sinks[request_id][1]
         finished = False
         try:
             while not finished:
@@ -71,8 +100,9 @@ class AsyncLLM:
                 finished = item.finished
                 yield item
         finally:
-            self._queues.pop(request_id, None)
-            if not finished:
+            if finished:
+                self._sinks.pop(request_id, None)  # no lock (one dict operation): don't wait for a step
+            else:
                 self.abort(request_id)
 
     async def generate(self, prompt: PromptType, params: SamplingParams | None = None,
@@ -86,37 +116,110 @@ class AsyncLLM:
             yield out
 
     def abort(self, request_id: str) -> None:
-        with self._lock:
+        with self._engine_turn():
             self.engine.abort_request(request_id)
-        self._queues.pop(request_id, None)
+            self._sinks.pop(request_id, None)
 
     def stats(self) -> EngineStats:
-        with self._lock:
+        with self._engine_turn():
             return self.engine.stats()
 
-    def _ensure_loop(self) -> None:
-        if self._loop_task is None:
-            self._loop_task = asyncio.get_running_loop().create_task(self._run())
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the engine thread (after its current step); requests still in flight get an
+        LlmoptError. Idempotent; add_request refuses afterwards."""
+        with self._engine_turn():
+            self._closed = True
+            self._work.notify()
+        self._thread.join(timeout)
+        with self._engine_turn():
+            stranded = list(self._sinks.items())
+            self._sinks.clear()
+            for request_id, _ in stranded:
+                self.engine.abort_request(request_id)
+        _post([(sink, LlmoptError("the engine was shut down")) for _, sink in stranded])
 
-    def _step(self) -> tuple[list[RequestOutput], bool]:
-        with self._lock:
-            outputs = self.engine.step()
-            return outputs, self.engine.has_unfinished_requests()
+    # ---- the engine thread -------------------------------------------------------------
+    @contextlib.contextmanager
+    def _engine_turn(self) -> Iterator[None]:
+        """Hold the engine lock, ahead of the engine thread's next step."""
+        with self._guests_cv:
+            self._guests += 1
+        try:
+            with self._lock:
+                yield
+        finally:
+            with self._guests_cv:
+                self._guests -= 1
+                if not self._guests:
+                    self._guests_cv.notify_all()
 
-    async def _run(self) -> None:
+    def _run(self) -> None:
         while True:
+            with self._guests_cv:
+                self._guests_cv.wait_for(lambda: not self._guests)
+            with self._lock:
+                while not self._closed and not self.engine.has_unfinished_requests():
+                    self._work.wait()
+                if self._closed:
+                    return
+                try:
+                    outputs = self.engine.step()
+                except Exception as exc:
+                    deliveries = self._fail_all(exc)
+                else:
+                    sinks = [(self._sinks.get(out.request_id), out) for out in outputs]
+                    deliveries = [(sink, out) for sink, out in sinks if sink is not None]
+            _post(deliveries)
+
+    def _fail_all(self, exc: Exception) -> list[tuple[_Sink, _Item]]:
+        """A bug in a step: abort every unfinished request and hand `exc` to those waiting, rather
+        than hang them or step the same broken batch again. Called with the lock held."""
+        logger.exception("engine step failed; failing %d request(s)", len(self.engine.requests))
+        deliveries: list[tuple[_Sink, _Item]] = [(sink, exc) for sink in list(self._sinks.values())]
+        self._sinks.clear()
+        for request_id in list(self.engine.requests):
             try:
-                outputs, more = await asyncio.to_thread(self._step)
-            except Exception as exc:  # a bug in a step: fail every waiting request, don't hang them
-                self._loop_task = None
-                for queue in list(self._queues.values()):
-                    queue.put_nowait(exc)
-                raise
-            for out in outputs:
-                queue = self._queues.get(out.request_id)
-                if queue is not None:
-                    queue.put_nowait(out)
-            # checked on the event loop thread, where requests are added: none can slip in between
-            if not more and not self.engine.has_unfinished_requests():
-                self._loop_task = None
-                return
+                self.engine.abort_request(request_id)
+            except Exception:
+                logger.exception("could not abort request %s", request_id)
+        return deliveries
+
+
+def _release_openmp_threads() -> None:
+    """Free the calling thread's idle OpenMP worker threads (OpenMP starts them again if this
+    thread runs a parallel region later).
+
+    The thread that loaded the model (in the server, the event loop's) keeps an OpenMP team
+    after its last parallel op; with the engine thread's team that is more OpenMP threads than
+    CPUs, and libgomp then cuts the spinning at its barriers short, which made every decode
+    step ~1.5x slower than the same step offline (measured on 2 cores). Nothing to do where no
+    OpenMP runtime is loaded or it lacks OpenMP 5's pause API."""
+    noload = getattr(os, "RTLD_NOLOAD", None)
+    if noload is None:
+        return
+    for name in ("libgomp.so.1", "libiomp5.so", "libomp.so"):
+        try:
+            runtime = ctypes.CDLL(name, mode=noload | os.RTLD_LAZY)  # only if already loaded (by torch)
+        except OSError:
+            continue
+        pause = getattr(runtime, "omp_pause_resource_all", None)
+        if pause is not None:
+            pause(1)  # omp_pause_soft
+        return
+
+
+def _post(deliveries: list[tuple[_Sink, _Item]]) -> None:
+    """Put items into their queues from another thread: one wake-up per event loop, not per item."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[_Item], _Item]]] = {}
+    for (loop, queue), item in deliveries:
+        by_loop.setdefault(loop, []).append((queue, item))
+    for loop, items in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_put_all, items)
+        except RuntimeError:  # that loop is closed: nobody is left to read these
+            pass
+
+
+def _put_all(items: list[tuple[asyncio.Queue[_Item], _Item]]) -> None:
+    for queue, item in items:
+        queue.put_nowait(item)

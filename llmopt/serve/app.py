@@ -20,6 +20,8 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
+from starlette.datastructures import Headers
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from llmopt import __version__
 from llmopt.errors import LlmoptError
@@ -58,23 +60,19 @@ class _Job:
 
 def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
     """`engine`: an AsyncLLM, or any back end with its surface (see llamacpp_engine.py)."""
-    app = FastAPI(title="llmopt", version=__version__, docs_url=None, redoc_url=None)
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        yield
+        # uvicorn gets here after its graceful shutdown: stop the engine's thread (after its current step)
+        await asyncio.to_thread(engine.shutdown)
+
+    app = FastAPI(title="llmopt", version=__version__, docs_url=None, redoc_url=None, lifespan=lifespan)
     metrics = ServerMetrics(engine, config.served_model_name)
     tokenizer = engine.tokenizer
     max_model_len = engine.max_model_len
     app.state.engine, app.state.metrics = engine, metrics
 
-    @app.middleware("http")
-    async def guard(request: Request, call_next):
-        if config.api_key and request.url.path.startswith("/v1"):
-            given = request.headers.get("authorization", "")
-            if not secrets.compare_digest(given.encode(), f"Bearer {config.api_key}".encode()):
-                return _error(RequestError("invalid or missing API key", 401, type_="authentication_error",
-                                           code="invalid_api_key"))
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > config.max_body_bytes:
-            return _error(RequestError(f"request body over {config.max_body_bytes} bytes", 413))
-        return await call_next(request)
+    app.add_middleware(_Guard, config=config)
 
     @app.exception_handler(RequestError)
     async def _on_request_error(request: Request, exc: RequestError):
@@ -225,9 +223,11 @@ def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
                         last, finished = now, out.finished
                         if out.finished:
                             metrics.observe_finished(out)
-                        await queue.put((job, out))
+                        queue.put_nowait((job, out))
+            except Exception as exc:  # the engine failed this request: end the response, don't leave it waiting
+                queue.put_nowait((job, exc))
             finally:
-                if not finished:  # the client went away: closing the stream aborted the request
+                if not finished:  # the client went away (or the engine failed): the request was aborted
                     metrics.observe_aborted()
 
         tasks = [asyncio.create_task(pump(job)) for job in jobs]
@@ -235,6 +235,8 @@ def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
             remaining = len(jobs)
             while remaining:
                 job, out = await queue.get()
+                if isinstance(out, Exception):
+                    raise out
                 remaining -= out.finished
                 yield job, out
         finally:
@@ -324,6 +326,34 @@ def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
     return app
+
+
+class _Guard:
+    """API key and body-size checks before any route. Plain ASGI: `@app.middleware("http")`
+    (BaseHTTPMiddleware) would relay every SSE chunk through one more memory stream and task."""
+
+    def __init__(self, app: ASGIApp, config: ServeConfig):
+        self.app, self.config = app, config
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            refusal = self._refusal(Headers(scope=scope), scope["path"])
+            if refusal is not None:
+                await _error(refusal)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+    def _refusal(self, headers: Headers, path: str) -> RequestError | None:
+        api_key, limit = self.config.api_key, self.config.max_body_bytes
+        if api_key and path.startswith("/v1"):
+            given = headers.get("authorization", "")
+            if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+                return RequestError("invalid or missing API key", 401, type_="authentication_error",
+                                    code="invalid_api_key")
+        length = headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > limit:
+            return RequestError(f"request body over {limit} bytes", 413)
+        return None
 
 
 def _check_model(name: str | None, config: ServeConfig) -> None:

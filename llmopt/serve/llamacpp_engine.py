@@ -52,8 +52,10 @@ class LlamaCppEngine(EngineFrontend):
         self._aborted: set[str] = set()
         self._sinks: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._cv = threading.Condition()
+        self._closed = False
         self._prompt_tokens = self._generation_tokens = 0
-        threading.Thread(target=self._worker, name="llama.cpp", daemon=True).start()
+        self._thread = threading.Thread(target=self._worker, name="llama.cpp", daemon=True)
+        self._thread.start()
 
     # ---- AsyncLLM's surface ------------------------------------------------------------
     def add_request(self, prompt: PromptType, params: SamplingParams | None = None,
@@ -102,12 +104,21 @@ class LlamaCppEngine(EngineFrontend):
                 peak_kv_blocks_used=0,
             )
 
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the worker once it is between requests (the server calls this after its graceful shutdown)."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify()
+        self._thread.join(timeout)
+
     # ---- the worker --------------------------------------------------------------------
     def _worker(self) -> None:
         while True:
             with self._cv:
-                while not self._waiting:
+                while not self._waiting and not self._closed:
                     self._cv.wait()
+                if self._closed:
+                    return
                 seq = self._current = self._waiting.popleft()
             try:
                 self._run(seq)

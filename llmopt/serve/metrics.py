@@ -62,9 +62,10 @@ class ServerMetrics:
                              buckets=LATENCY_BUCKETS, registry=self.registry)
         self.queue = Histogram("llmopt:request_queue_time_seconds", "Arrival to first scheduled.", labels,
                                buckets=LATENCY_BUCKETS, registry=self.registry)
+        self._itl = self.itl.labels(model_name)  # observed per token: `labels()` is a locked lookup each call
 
     def observe_token_gap(self, seconds: float) -> None:
-        self.itl.labels(self.model_name).observe(seconds)
+        self._itl.observe(seconds)
 
     def observe_aborted(self) -> None:
         self.request_success.labels(self.model_name, "abort").inc()
