@@ -6,15 +6,13 @@
 - `Int4Linear` (bf16 / fp16 models): PyTorch's CPU int4 kernel (`_weight_int4pack_mm_for_cpu`).
 
 AWQ / GPTQ checkpoints are unpacked by the core into codes + per-group scales and zero
-points; this module repacks them once, at load, into the kernel's own layout. The
+points; each layer repacks them once, at load, into its kernel's layout. PyTorch's
 kernel computes w = (code - 8) * scale + offset per group, so our zero points become
 offset = (8 - zero) * scale. It needs groups of 32/64/128/256 contiguous input columns:
 act-order checkpoints (a permuted g_idx) are handled by permuting the input columns
 once per call, and per-channel (-1) grids by repeating the scale over 64-column groups.
-
-Measured on the 2-core CPU here, the kernel is slow with fp32 activations and close to
-fp32 GEMM with bf16 ones, so the loader uses it for bf16/fp16 models only; fp32 models
-keep dequantized dense weights (see llmopt/core/loader.py).
+PyTorch's kernel was measured slow with fp32 activations on the 2-core CPU here, hence
+llmopt's own kernel for fp32 models.
 """
 
 from __future__ import annotations
