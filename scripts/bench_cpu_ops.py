@@ -11,7 +11,8 @@
    lm_head 576->49152): MKL (`F.linear`, what transformers runs), a oneDNN-packed weight,
    our skinny kernel (`llmopt.kernels.cpu_linear`), and the int4 kernel
    (`llmopt.kernels.cpu_int4`, the same weights RTN-quantized to 4 bits in groups of 64; its
-   "max |diff|" column is mostly that quantization); a 2048^3 GEMM for the machine's
+   "max |diff|" column is mostly that quantization), and int8 (Q8_0) and bf16 copies of the
+   weights (what int4 models' vocabulary projection may run on); a 2048^3 GEMM for the machine's
    large-GEMM rate.
 
     python scripts/bench_cpu_ops.py [--context 242] [--rows 1,4,16,32,64] [--layers 30]
@@ -26,7 +27,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from llmopt.kernels.cpu_int4 import int4_linear_kernel, repack_int4
+from llmopt.kernels.cpu_int4 import int4_linear_kernel, int8_linear_kernel, repack_int4, repack_int8
 from llmopt.kernels.cpu_linear import skinny_linear_kernel
 from llmopt.kernels.cpu_paged_attention import decode_kernel
 from llmopt.kernels.paged_attention import decode_mask, paged_decode_attention
@@ -98,6 +99,13 @@ def linears(rows: list[int], num_layers: int) -> None:
             return int4(x, p.codes, p.scales, p.scaled_zeros, p.out_features, p.group_size)
 
         backends["int4"] = int4_fn
+    int8 = int8_linear_kernel()
+    if int8 is not None:  # the copies int4 models use for the vocabulary projection (DenseLinear.use_compact_copy)
+        int8_packed = {id(w): repack_int8(w) for w in [lm_head, *(w for layer in weights for w in layer)]}
+        backends["int8"] = lambda x, w: int8(x, int8_packed[id(w)].codes, int8_packed[id(w)].scales, w.shape[0])
+    if skinny is not None:
+        bf16_copies = {id(w): w.to(torch.bfloat16) for w in [lm_head, *(w for layer in weights for w in layer)]}
+        backends["bf16"] = lambda x, w: skinny(x, bf16_copies[id(w)])
     flops_per_row = 2 * num_layers * sum(n_in * n_out for n_in, n_out in layer_shapes)
     print(f"\n{num_layers} layers' linears ({sum(w.numel() for layer in weights for w in layer) * 4 / 2**20:.0f} MiB "
           f"of weights, streamed) and the vocabulary projection, per step:")
