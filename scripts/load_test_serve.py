@@ -40,9 +40,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-async def one_client(client: httpx.AsyncClient, url: str, i: int, max_tokens: int) -> dict:
+async def one_client(client: httpx.AsyncClient, url: str, i: int, max_tokens: int, temperature: float) -> dict:
     body = {"messages": [{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}], "max_tokens": max_tokens,
-            "temperature": 0.7, "seed": i, "stream": True, "ignore_eos": True}
+            "temperature": temperature, "seed": i, "stream": True, "ignore_eos": True}
     start = time.perf_counter()
     token_times: list[float] = []
     done = False
@@ -108,16 +108,16 @@ async def disconnect_phase(url: str, n: int) -> None:
           f"kv_cache_usage_perc={kv:g}, request_success{{finished_reason=\"abort\"}}={aborted:g}")
 
 
-async def run(url: str, clients: int, max_tokens: int, disconnects: int, sequential: int) -> None:
+async def run(url: str, clients: int, max_tokens: int, disconnects: int, sequential: int, temperature: float) -> None:
     limits = httpx.Limits(max_connections=clients + 4)
     async with httpx.AsyncClient(limits=limits) as client:
-        await one_client(client, url, 0, 4)  # warm-up (first request pays one-off costs)
+        await one_client(client, url, 0, 4, temperature)  # warm-up (first request pays one-off costs)
         start = time.perf_counter()
         if sequential:
-            results = [await one_client(client, url, i, max_tokens) for i in range(sequential)]
+            results = [await one_client(client, url, i, max_tokens, temperature) for i in range(sequential)]
             clients = 1
         else:
-            results = await asyncio.gather(*(one_client(client, url, i, max_tokens) for i in range(clients)))
+            results = await asyncio.gather(*(one_client(client, url, i, max_tokens, temperature) for i in range(clients)))
         wall = time.perf_counter() - start
         response = await client.get(url + "/metrics")
         metrics = response.text if response.status_code == 200 else ""
@@ -134,7 +134,8 @@ async def run(url: str, clients: int, max_tokens: int, disconnects: int, sequent
           f"{pct(ttft, .5):.2f} / {pct(ttft, .99):.2f} | {pct(itl, .5) * 1e3:.1f} / {pct(itl, .99) * 1e3:.1f} |")
     if errors:
         print("errors:", sorted(set(errors)))
-    print(f"\nmean chunks per stream: {statistics.mean(r['chunks'] for r in ok):.1f} (max_tokens {max_tokens})")
+    itl_mean = statistics.mean(itl) if itl else float("nan")
+    print(f"\nITL mean {itl_mean * 1e3:.2f} ms; mean chunks per stream: {statistics.mean(r['chunks'] for r in ok):.1f} (max_tokens {max_tokens})")
     if disconnects:
         await disconnect_phase(url, disconnects)
 
@@ -148,6 +149,7 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--disconnects", type=int, default=32)
     ap.add_argument("--sequential", type=int, default=0, help="N requests one after another instead of --clients")
+    ap.add_argument("--temperature", type=float, default=0.7, help="0: greedy")
     ap.add_argument("--server", choices=["llmopt", "llama-cpp"], default="llmopt")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="llama-cpp server threads")
     args = ap.parse_args()
@@ -177,7 +179,7 @@ def main() -> None:
             except httpx.TransportError:
                 time.sleep(0.2)
     try:
-        asyncio.run(run(url, args.clients, args.max_tokens, args.disconnects, args.sequential))
+        asyncio.run(run(url, args.clients, args.max_tokens, args.disconnects, args.sequential, args.temperature))
     finally:
         if proc is not None:
             proc.terminate()

@@ -9,7 +9,7 @@ import torch
 
 from llmopt.errors import LlmoptError
 from llmopt.runtime import SamplingParams
-from llmopt.runtime.sampler import filtered_probs, make_generator, sample
+from llmopt.runtime.sampler import draw, filtered_probs, make_generator, sample
 
 # probabilities 0.5, 0.25, 0.125, 0.0625, 0.0625
 LOGITS = torch.log(torch.tensor([0.5, 0.25, 0.125, 0.0625, 0.0625]))
@@ -110,3 +110,15 @@ def test_blocked_tokens_never_sampled():
     gen = make_generator(p)
     draws = {sample_batch(logits, [SampleRequest(p, gen, [], [], [0])])[0].token_id for _ in range(200)}
     assert 0 not in draws
+
+
+def test_draw_never_picks_zero_probability_tokens_and_matches_frequencies():
+    # zeros at both ends and in the middle: inverse-CDF edges (u near 0, u near the total)
+    probs = torch.tensor([0.0, 0.2, 0.0, 0.5, 0.3, 0.0])
+    gen = torch.Generator().manual_seed(7)
+    counts = torch.bincount(torch.tensor([draw(probs, gen) for _ in range(20000)]), minlength=6).float()
+    assert counts[[0, 2, 5]].sum() == 0
+    # 20000 draws: standard error of p=0.5 is ~0.0035
+    assert torch.allclose(counts / counts.sum(), probs, atol=0.015)
+    # unnormalised input (a sum slightly off 1 after filtering) is drawn in proportion
+    assert draw(torch.tensor([0.0, 0.0, 1e-30]), gen) == 2
