@@ -8,6 +8,7 @@ import sys
 import typer
 
 from llmopt import __version__
+from llmopt.cli import bench as bench_cmd
 from llmopt.cli import eval as eval_cmd
 from llmopt.cli import generate as generate_cmd
 from llmopt.cli import models as models_cmd
@@ -62,6 +63,7 @@ app.command("quantize")(quantize_cmd.quantize)
 app.command("eval")(eval_cmd.eval_command)
 app.command("generate")(generate_cmd.generate)
 app.command("serve")(serve_cmd.serve)
+app.add_typer(bench_cmd.app, name="bench")
 app.add_typer(models_cmd.app, name="models")
 
 

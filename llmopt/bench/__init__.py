@@ -1,0 +1,1 @@
+"""`llmopt bench`: offline engine comparison, an online load generator, latency with a roofline, reports."""
