@@ -45,6 +45,17 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return DTYPES[dtype]
 
 
+def load_tokenizer(source: ModelSource | str) -> Tokenizer:
+    """The model's tokenizer alone (from its folder, or from the GGUF file's metadata)."""
+    if isinstance(source, str):
+        source = resolve(source)
+    if source.kind == "gguf":
+        from llmopt.core.gguf_file import read_gguf_tokenizer
+
+        return read_gguf_tokenizer(source.path)
+    return Tokenizer.from_dir(source.path, extra_eos_token_ids=_generation_eos(source.path, source.config))
+
+
 def load(source: ModelSource | str, dtype: str = "auto", device: str = "cpu", int4_kernels: bool = True) -> LoadedModel:
     """Load a model spec. AWQ / GPTQ projections run on an int4 kernel on CPU unless
     `int4_kernels` is False: then every layer holds dense dequantized weights (what code
@@ -68,7 +79,7 @@ def load(source: ModelSource | str, dtype: str = "auto", device: str = "cpu", in
         tensors, tokenizer = gguf.tensors, gguf.tokenizer
     else:
         tensors = load_safetensors(safetensors_files(source.path))
-        tokenizer = Tokenizer.from_dir(source.path, extra_eos_token_ids=_generation_eos(source.path, config))
+        tokenizer = load_tokenizer(source)
         if quant is not None and quant.method in ("awq", "gptq"):
             tensors, unpacked = _dequantized(tensors, quant, where=str(source.path))
     tokenizer.extra_eos_token_ids = sorted(set(tokenizer.extra_eos_token_ids) | set(config.eos_token_ids))

@@ -24,6 +24,13 @@ class LinearBase(nn.Module):
     def prepare(self) -> None:
         """Called once after loading: convert weights to the layout the forward wants."""
 
+    def streamed_weight_bytes(self) -> int:
+        """Bytes of weights (and bias) one forward reads: what a decode step costs in memory traffic."""
+        return sum(t.numel() * t.element_size() for t in self._streamed_tensors() if t is not None)
+
+    def _streamed_tensors(self) -> list[torch.Tensor | None]:
+        return [*self.buffers(recurse=False), *self.parameters(recurse=False)]
+
 
 WIDE_OUTPUT = 8192  # output features above which a layer counts as "very wide"
 
@@ -91,6 +98,11 @@ class DenseLinear(LinearBase):
             raise ValueError(f"unknown compact weight kind {kind!r}; choose bf16 or int8")
         self.onednn_weight = None
         return True
+
+    def _streamed_tensors(self) -> list[torch.Tensor | None]:
+        if self.int8_weight is not None:
+            return [self.int8_weight.codes, self.int8_weight.scales, self.bias]
+        return [self.bf16_weight if self.bf16_weight is not None else self.weight, self.bias]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features

@@ -1,0 +1,216 @@
+"""`llmopt bench latency`: prefill and decode latency at fixed batch sizes, beside the roofline.
+
+For each batch size B, `num_iters` times (after `num_iters_warmup`): B prompts of random tokens,
+`input_len` long (new ones every iteration, so nothing comes from the prefix cache), each
+generating `output_len` tokens greedily with EOS ignored, all added at once. Measured per
+iteration: prefill time (until every sequence has its first token), decode time per step (the
+rest, over output_len - 1 steps) and the end-to-end time; reported as medians, with prompt
+processing (pp) and token generation (tg) tokens/s as llama-bench names them. Engines: llmopt's
+runtime (any B) and llama-cpp-python on a GGUF (B = 1: its Python API runs one sequence).
+
+The roofline: bytes a decode step reads at the mean context (llmopt/bench/roofline.py) over the
+measured read bandwidth gives the ideal tg tokens/s; achieved / ideal is the model bandwidth
+utilisation (MBU). Decode is bandwidth-bound: weights are read once per step whatever B is, so
+tg tokens/s grows with B until the K/V reads or the arithmetic take over.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable
+
+from llmopt.bench.datasets import make_workload
+from llmopt.bench.engines import EngineOptions, gguf_file, isolated
+from llmopt.bench.environment import collect_metadata
+from llmopt.bench.results import results_document
+from llmopt.errors import LlmoptError
+
+LATENCY_ENGINES = ("llmopt", "llama.cpp")
+
+
+@dataclass
+class LatencyConfig:
+    model: str = "default"
+    engines: list[str] = field(default_factory=lambda: ["llmopt"])
+    batch_sizes: list[int] = field(default_factory=lambda: [1])
+    input_len: int = 128
+    output_len: int = 128
+    num_iters_warmup: int = 1
+    num_iters: int = 3
+    seed: int = 0
+    options: EngineOptions = field(default_factory=EngineOptions)
+
+
+@dataclass
+class Iteration:
+    prefill_s: float
+    decode_step_s: float
+    e2e_s: float
+
+
+def run_latency(config: LatencyConfig, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Measure every (engine, batch size) of `config`; the results document (kind "latency")."""
+    from llmopt.bench.roofline import measure_read_bandwidth
+
+    _check(config)
+    if progress:
+        progress("measuring memory bandwidth")
+    bandwidth = measure_read_bandwidth(config.options.device)
+    runs = []
+    for engine in config.engines:
+        sizes = config.batch_sizes if engine == "llmopt" else [1]
+        if progress:
+            progress(f"{engine}: batch sizes {', '.join(map(str, sizes))}")
+        runs += isolated(_measure_engine, engine, config, sizes, bandwidth)
+    config_dict = asdict(config)
+    config_dict["read_bandwidth_gb_s"] = bandwidth / 1e9
+    return results_document("latency", collect_metadata(), config_dict, runs)
+
+
+def _check(config: LatencyConfig) -> None:
+    unknown = [e for e in config.engines if e not in LATENCY_ENGINES]
+    if unknown:
+        raise LlmoptError(f"bench latency runs {' and '.join(LATENCY_ENGINES)}; not {unknown[0]!r}")
+    if not config.batch_sizes or min(config.batch_sizes) < 1:
+        raise LlmoptError("--batch-size needs sizes of at least 1")
+    if config.input_len < 1 or config.output_len < 2:
+        raise LlmoptError("--input-len must be at least 1 and --output-len at least 2 (decode needs a second token)")
+    if config.num_iters < 1 or config.num_iters_warmup < 0:
+        raise LlmoptError("--num-iters must be at least 1 and --num-iters-warmup at least 0")
+
+
+def _measure_engine(engine: str, config: LatencyConfig, sizes: list[int], bandwidth: float) -> list[dict[str, Any]]:
+    import torch
+
+    if config.options.threads:
+        torch.set_num_threads(config.options.threads)
+    try:
+        measure = _llmopt_measurer(config) if engine == "llmopt" else _llama_cpp_measurer(config)
+    except ImportError as exc:
+        return [{"label": engine, "engine": engine, "skipped": f"not installed ({exc.name or exc})"}]
+    runs = []
+    for size in sizes:
+        iterations = []
+        for i in range(config.num_iters_warmup + config.num_iters):
+            prompts = [r.prompt_token_ids for r in make_workload(measure.tokenizer, "random", size, config.input_len,
+                                                                config.output_len, 0.0, config.seed * 1000 + i)]
+            result = measure.iteration(prompts)
+            if i >= config.num_iters_warmup:
+                iterations.append(result)
+        runs.append(_figures(engine, measure, size, config, iterations, bandwidth))
+    return runs
+
+
+@dataclass
+class _Measurer:
+    label: str
+    tokenizer: Any
+    iteration: Callable[[list[list[int]]], Iteration]
+    step_bytes: Callable[[int, int], int] | None = None  # (batch size, context) -> bytes per decode step
+
+
+def _llmopt_measurer(config: LatencyConfig) -> _Measurer:
+    from llmopt.bench.engines import describe_weights
+    from llmopt.bench.roofline import decode_step_bytes
+    from llmopt.core import load
+    from llmopt.runtime import SamplingParams
+    from llmopt.runtime.config import EngineConfig
+    from llmopt.runtime.engine import LLMEngine
+
+    opts = config.options
+    loaded = load(config.model, dtype=opts.dtype, device=opts.device)
+    engine_config = dict(opts.engine_config, max_num_seqs=max(config.batch_sizes), enable_prefix_caching=False)
+    engine = LLMEngine(loaded, EngineConfig(**engine_config))
+    params = SamplingParams(max_tokens=config.output_len, temperature=0, ignore_eos=True)
+    count = iter(range(1 << 62))
+
+    def iteration(prompts: list[list[int]]) -> Iteration:
+        for ids in prompts:
+            engine.add_request(ids, params, request_id=f"latency-{next(count)}")
+        started: set[str] = set()
+        start = time.perf_counter()
+        first = None
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                started.add(out.request_id)
+            if first is None and len(started) == len(prompts):
+                first = time.perf_counter()
+        end = time.perf_counter()
+        return Iteration(first - start, (end - first) / (config.output_len - 1), end - start)
+
+    def step_bytes(batch: int, context: int) -> int:
+        return decode_step_bytes(loaded.model, batch, context, engine.kv_cache_dtype)
+
+    return _Measurer(f"llmopt ({describe_weights(loaded)})", loaded.tokenizer, iteration, step_bytes)
+
+
+def _llama_cpp_measurer(config: LatencyConfig) -> _Measurer:
+    import llama_cpp
+    import torch
+
+    from llmopt.bench.roofline import gguf_decode_step_bytes
+    from llmopt.core import load_tokenizer
+
+    path = gguf_file(config.model, config.options)
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=config.input_len + config.output_len + 8,
+                          n_threads=config.options.threads or torch.get_num_threads(), n_batch=512, verbose=False)
+
+    def iteration(prompts: list[list[int]]) -> Iteration:
+        (ids,) = prompts
+        llm.reset()
+        start = time.perf_counter()
+        first = None
+        got = 0
+        for _ in llm.generate(ids, temp=0.0, top_k=1, reset=True):  # greedy; EOS ignored: we stop at output_len
+            got += 1
+            if first is None:
+                first = time.perf_counter()
+            if got == config.output_len:
+                break
+        end = time.perf_counter()
+        return Iteration(first - start, (end - first) / (config.output_len - 1), end - start)
+
+    def step_bytes(batch: int, context: int) -> int:
+        return gguf_decode_step_bytes(path, batch, context)
+
+    return _Measurer(f"llama-cpp-python {llama_cpp.__version__}, {path.name}", load_tokenizer(config.model), iteration,
+                     step_bytes)
+
+
+def _figures(engine: str, measure: _Measurer, batch: int, config: LatencyConfig, iterations: list[Iteration],
+             bandwidth: float) -> dict[str, Any]:
+    prefill = statistics.median(i.prefill_s for i in iterations)
+    step = statistics.median(i.decode_step_s for i in iterations)
+    e2e = [i.e2e_s for i in iterations]
+    run = {
+        "label": f"{measure.label}, batch {batch}", "engine": engine, "batch_size": batch,
+        "prefill_ms": prefill * 1e3, "decode_step_ms": step * 1e3,
+        "avg_latency": statistics.mean(e2e), "median_latency": statistics.median(e2e),
+        "pp_tok_s": batch * config.input_len / prefill, "tg_tok_s": batch / step,
+        "iterations": [asdict(i) for i in iterations],
+    }
+    if measure.step_bytes is not None:
+        # the mean context over the decode steps
+        step_bytes = measure.step_bytes(batch, config.input_len + config.output_len // 2)
+        ideal = batch * bandwidth / step_bytes
+        run.update(decode_step_bytes=step_bytes, ideal_tg_tok_s=ideal, mbu=run["tg_tok_s"] / ideal)
+    return run
+
+
+LATENCY_COLUMNS = ["engine, batch", "prefill (ms)", "pp tok/s", "decode step (ms)", "tg tok/s",
+                   "bytes/step (MB)", "roofline tg tok/s", "MBU"]
+
+
+def latency_rows(document: dict[str, Any]) -> list[list[str]]:
+    rows = []
+    for run in document["runs"]:
+        if run.get("skipped"):
+            rows.append([run["label"], "skipped: " + run["skipped"]] + [""] * 6)
+            continue
+        roof = [f"{run['decode_step_bytes'] / 1e6:.1f}", f"{run['ideal_tg_tok_s']:.1f}", f"{run['mbu']:.0%}"] \
+            if "mbu" in run else ["-", "-", "-"]
+        rows.append([run["label"], f"{run['prefill_ms']:.1f}", f"{run['pp_tok_s']:.1f}", f"{run['decode_step_ms']:.2f}",
+                     f"{run['tg_tok_s']:.1f}", *roof])
+    return rows
