@@ -58,6 +58,7 @@ class Plan:
     done: bool = True  # send `data: [DONE]`
     usage: bool = True  # send the usage chunk when asked for
     text: str = " the"  # each chunk's text
+    finish: str | None = None  # a last chunk with this finish_reason
 
 
 class FakeOpenAIServer:
@@ -120,6 +121,9 @@ class FakeOpenAIServer:
             choice = {"index": 0, "delta": {"content": plan.text}} if chat else {"index": 0, "text": plan.text}
             self._event(writer, {"choices": [choice]})
             await writer.drain()
+        if plan.finish:
+            delta = {"delta": {}} if chat else {"text": ""}
+            self._event(writer, {"choices": [{"index": 0, **delta, "finish_reason": plan.finish}]})
         if plan.usage and (body.get("stream_options") or {}).get("include_usage"):
             self._event(writer, {"choices": [], "usage": {"prompt_tokens": 10, "completion_tokens": plan.tokens,
                                                           "total_tokens": 10 + plan.tokens}})
@@ -296,6 +300,13 @@ def test_without_usage_tokens_are_counted_by_the_tokenizer(tiny_models):
         chunks = asyncio.run(run_load(endpoint, requests_of(2)))
     assert [(r.output_tokens, r.token_source) for r in counted.results] == [(5, "tokenizer")] * 2
     assert [(r.output_tokens, r.token_source) for r in chunks.results] == [(5, "chunks")] * 2
+    # finish_reason "length" means max_tokens were made, whatever the text re-encodes to (an emoji in
+    # byte-fallback tokens arrives as fewer chunks and re-encodes to more tokens)
+    with FakeOpenAIServer(lambda i, body: Plan(usage=False, tokens=3, text="🌱", finish="length")) as server:
+        load = asyncio.run(run_load(Endpoint(server.url, "chat", "fake-model"), requests_of(2, max_tokens=8),
+                                    count_tokens=lambda t: 99))
+    assert [(r.output_tokens, r.token_source, r.finish_reason) for r in load.results] == \
+        [(8, "max_tokens", "length")] * 2
 
 
 def test_sweep_through_the_library(tiny_models):
@@ -394,14 +405,31 @@ def test_serve_bad_input(tmp_path):
     assert_usage_error(["bench", "serve", "--url", url, "--request-rate", "0"], "--request-rate")
     assert_usage_error(["bench", "serve", "--url", url, "--endpoint", "embeddings"], "--endpoint")
     assert_usage_error(["bench", "serve", "--url", "localhost:8000"], "http://")
-    assert_usage_error(["bench", "serve", "--model", str(tmp_path / "x.txt"), "--launch", "llama-cpp",
-                        "--tokenizer", "nowhere/at-all/x"], "does not exist")
+    assert_usage_error(["bench", "serve", "--model", str(tmp_path / "x.txt"), "--launch", "llama-cpp"],
+                       "--launch llama-cpp serves a .gguf file")
+    assert_usage_error(["bench", "serve", "--model", "default", "--launch", "vllm"], "--launch")
+    (tmp_path / "file").write_text("")
+    assert_usage_error(["bench", "serve", "--url", url, "--output", str(tmp_path / "file" / "sub")], "--output")
+    assert_usage_error(["bench", "serve", "--url", url, "--tokenizer", str(tmp_path / "nothing")], "cannot reach")
 
 
 def test_failed_warmups_stop_the_run(tiny_models):
     with FakeOpenAIServer(lambda i, body: Plan(status=404)) as server:
         assert_usage_error(["bench", "serve", "--url", server.url, "--tokenizer", str(tiny_models["llama"]),
                             "--num-prompts", "2"], "every warm-up request", "HTTP 404")
+
+
+def test_cli_json_output(tiny_models):
+    with FakeOpenAIServer(lambda i, body: Plan(ttft=0.01, itl=0.005, tokens=3)) as server:
+        code, err, out = run_cli("bench", "serve", "--url", server.url, "--tokenizer", str(tiny_models["llama"]),
+                                 "--num-prompts", "3", "--output-len", "3", "--endpoint", "completions",
+                                 "--request-rate", "50", "--burstiness", "0.5", "--json")
+        assert all("prompt" in body for body in server.bodies)
+    assert code == 0, err
+    doc = json.loads(out)  # stdout holds only the document; the table went to stderr
+    run = doc["runs"][0]
+    assert run["label"] == "rate=50" and run["request_rate"] == 50.0 and run["burstiness"] == 0.5
+    assert run["completed"] == 3 and "mean TTFT (ms)" in err
 
 
 @pytest.mark.integration
@@ -419,3 +447,21 @@ def test_bench_serve_launches_llmopt_serve(tmp_path):
     assert run["total_output_tokens"] == 32 and run["token_counts_from"] == {"usage": 4}
     assert run["short_outputs"] == 0 and 0 < run["mean_ttft_ms"] <= run["mean_e2el_ms"]
     assert run["mean_tpot_ms"] > 0 and run["output_throughput"] > 0
+
+
+@pytest.mark.integration
+def test_bench_serve_launches_llama_cpp_server(tmp_path):
+    """llama-cpp-python's own server (a server llmopt did not write) on the embedded GGUF: it sends no
+    usage (tokens counted by the tokenizer) and ignores ignore_eos; one request at a time completes."""
+    pytest.importorskip("llama_cpp.server.app", reason="llama-cpp-python's server extras are not installed",
+                        exc_type=ImportError)
+    code, err, out = run_cli("bench", "serve", "--launch", "llama-cpp", "--model", "default", "--num-prompts", "2",
+                             "--output-len", "8", "--max-concurrency", "1", "--output", str(tmp_path / "llamacpp"))
+    assert code == 0, err + out
+    doc = json.loads((tmp_path / "llamacpp" / "results.json").read_text())
+    run = doc["runs"][0]
+    assert doc["metadata"]["served_model_name"].endswith(".gguf")
+    assert run["completed"] == 2 and run["mean_ttft_ms"] > 0
+    # no usage from this server: max_tokens where it stopped for length, else the tokenizer's count
+    sources = run["token_counts_from"]
+    assert sum(sources.values()) == 2 and set(sources) <= {"max_tokens", "tokenizer"}, sources

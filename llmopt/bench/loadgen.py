@@ -8,6 +8,11 @@ once when the rate is infinite. With a finite rate each request's clock starts a
 *scheduled* send time: if the client (or the concurrency cap) sends late, that delay is
 latency the user would see, and it is also recorded as the request's send lag.
 
+Output tokens: the server's `usage` (asked for with `stream_options.include_usage`); without it,
+`max_tokens` when the stream finished with reason "length"; else the text re-encoded by the
+tokenizer (close but not exact: a model's byte-fallback tokens may re-encode differently), or
+the number of content chunks when there is no tokenizer.
+
 Nothing here raises for a bad server: HTTP errors, streams that break off, streams that end
 without `data: [DONE]`, unparsable chunks and error objects inside a stream all become a
 failed `RequestResult` with the reason.
@@ -109,6 +114,8 @@ async def send_request(client: httpx.AsyncClient, endpoint: Endpoint, request: B
                     return result
                 if chunk.get("usage"):
                     usage = chunk["usage"]
+                choices = chunk.get("choices") or [{}]
+                result.finish_reason = choices[0].get("finish_reason") or result.finish_reason
                 text = _content(chunk, endpoint.kind)
                 if text:
                     if result.chunks == 0:
@@ -138,7 +145,9 @@ async def send_request(client: httpx.AsyncClient, endpoint: Endpoint, request: B
         result.output_tokens, result.token_source = usage["completion_tokens"], "usage"
         if isinstance(usage.get("prompt_tokens"), int):
             result.prompt_tokens = usage["prompt_tokens"]
-    elif count_tokens is not None:
+    elif result.finish_reason == "length":  # stopped by max_tokens: exactly that many, whatever the text
+        result.output_tokens, result.token_source = request.max_tokens, "max_tokens"
+    elif count_tokens is not None:  # re-encoding the text: close, not exact (byte fallbacks, merges)
         result.output_tokens, result.token_source = count_tokens(result.text), "tokenizer"
     else:
         result.output_tokens, result.token_source = result.chunks, "chunks"

@@ -14,6 +14,7 @@ import math
 from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 from llmopt.bench.datasets import BenchRequest, make_workload
@@ -117,6 +118,10 @@ def check_config(config: ServeBenchConfig) -> None:
         raise LlmoptError("give either --url (a running server) or --model SPEC (launch `llmopt serve SPEC`)")
     if config.launch not in LAUNCHERS:
         raise LlmoptError(f"unknown --launch {config.launch!r}; choose {', '.join(LAUNCHERS)}")
+    if config.model is not None and config.launch == "llama-cpp" and config.model != "default":
+        path = Path(config.model).expanduser()
+        if path.suffix != ".gguf" or not path.is_file():
+            raise LlmoptError(f"--launch llama-cpp serves a .gguf file; {config.model!r} is not one")
     if config.endpoint not in ENDPOINTS:
         raise LlmoptError(f"unknown --endpoint {config.endpoint!r}; choose {', '.join(ENDPOINTS)}")
     if not config.request_rate > 0:

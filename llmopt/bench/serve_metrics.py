@@ -39,7 +39,8 @@ class RequestResult:
     itl: list[float] = field(default_factory=list)  # gaps between content chunks
     prompt_tokens: int = 0
     output_tokens: int = 0
-    token_source: str = ""  # "usage" (the server's count), "tokenizer" or "chunks"
+    token_source: str = ""  # "usage" (the server's count), "max_tokens" (finish_reason "length"), "tokenizer", "chunks"
+    finish_reason: str | None = None
     max_tokens: int = 0  # what was asked for
     send_lag: float = 0.0  # actual send - scheduled send (only meaningful under a request rate)
     chunks: int = 0  # content chunks received

@@ -86,8 +86,11 @@ def notes(document: dict[str, Any]) -> list[str]:
                          "tokens than max_tokens (a server that ignores ignore_eos stops at EOS).")
         sources = {k: v for k, v in (run.get("token_counts_from") or {}).items() if k != "usage"}
         if sources:
-            how = ", ".join(f"{n} by {k}" for k, n in sources.items())
-            lines.append(f"{label}: the server sent no usage for some requests; output tokens counted {how}.")
+            how = {"max_tokens": "taken as max_tokens (finish_reason length)", "tokenizer": "re-encoded by the "
+                   "tokenizer (close, not exact)", "chunks": "counted as content chunks"}
+            detail = "; ".join(f"{n} {how.get(k, k)}" for k, n in sources.items())
+            lines.append(f"{label}: the server sent no usage for {sum(sources.values())} requests; their output "
+                         f"tokens: {detail}.")
     return lines
 
 

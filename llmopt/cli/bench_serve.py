@@ -89,8 +89,13 @@ def serve(
         percentiles=parse_percentiles(percentiles), goodput=parse_goodput([*goodput, *ctx.args]),
         cost_per_hour=cost_per_hour, timeout=timeout, server_timeout=server_timeout)
     check_config(config)
-    if output is not None and output.exists() and not output.is_dir():
-        raise LlmoptError(f"--output {output} is a file; give a folder")
+    if output is not None:  # a folder we cannot write is found out before the run, not after it
+        try:
+            output.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise LlmoptError(f"--output {output}: cannot create the folder ({exc.strerror or exc})") from None
+        if not os.access(output, os.W_OK):
+            raise LlmoptError(f"--output {output}: the folder is not writable")
     screen = err_console if json_output else console
     name, runs = _run_with_progress(config, run_serve_bench)
     document = build_document(config, name, runs, save_detailed)
