@@ -198,6 +198,45 @@ def test_disconnect_mid_stream_frees_blocks(server):
     assert 'finished_reason="abort"' in metrics
 
 
+def _aborted(metrics: str) -> float:
+    return sum(float(line.split()[-1]) for line in metrics.splitlines()
+               if line.startswith("llmopt:request_success_total{") and 'finished_reason="abort"' in line)
+
+
+def test_concurrent_disconnects_free_everything(server):
+    """Several clients hang up mid-stream at once (what scripts/load_test_serve.py's disconnect phase
+    checked): every one is aborted, nothing stays running or waiting, the KV cache is empty."""
+    clients = 6  # the fixture's --max-num-seqs is 8: all of them run at once
+    before = _aborted(httpx.get(server + "/metrics").text)
+
+    async def hang_up(client: httpx.AsyncClient, i: int) -> bool:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": f"story {i}"}], "max_tokens": 200,
+                "temperature": 0.7, "seed": i, "stream": True, "ignore_eos": True}
+        async with client.stream("POST", server + "/v1/chat/completions", json=body, timeout=30,
+                                 headers={"Authorization": f"Bearer {KEY}"}) as resp:
+            seen = 0
+            async for line in resp.aiter_lines():
+                seen += line.startswith("data: ")
+                if seen >= 3:
+                    return True  # leaving the block closes the connection mid-stream
+        return False
+
+    async def all_hang_up() -> list[bool]:
+        async with httpx.AsyncClient() as client:
+            return await asyncio.gather(*(hang_up(client, i) for i in range(clients)))
+
+    assert all(asyncio.run(all_hang_up()))
+    for _ in range(200):
+        metrics = httpx.get(server + "/metrics").text
+        if 'llmopt:num_requests_running{model_name="tiny"} 0.0' in metrics and _aborted(metrics) >= before + clients:
+            break
+        time.sleep(0.05)
+    assert 'llmopt:num_requests_running{model_name="tiny"} 0.0' in metrics
+    assert 'llmopt:num_requests_waiting{model_name="tiny"} 0.0' in metrics
+    assert 'llmopt:kv_cache_usage_perc{model_name="tiny"} 0.0' in metrics
+    assert _aborted(metrics) == before + clients
+
+
 def test_vllm_engine_hands_over_flags(tiny_models, tmp_path):
     """With a `vllm` on PATH, `--engine vllm` execs `vllm serve` with the flags that mean the same."""
     fake = tmp_path / "vllm"

@@ -6,14 +6,9 @@ from pathlib import Path
 from typing import Any
 
 from llmopt.bench.environment import hardware_line
+from llmopt.bench.report import markdown_table, plot_bars
 from llmopt.bench.results import write_results
 from llmopt.core.atomic import atomic_file
-
-
-def markdown_table(columns: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    lines += ["| " + " | ".join(cell.replace("|", "/") for cell in row) + " |" for row in rows]
-    return "\n".join(lines)
 
 
 def write_throughput_report(output_dir: Path, document: dict[str, Any]) -> None:
@@ -26,8 +21,8 @@ def write_throughput_report(output_dir: Path, document: dict[str, Any]) -> None:
     ran = [r for r in document["runs"] if not r.get("skipped")]
     plot = output_dir / "throughput.png"
     if ran:
-        _bar_chart(plot, [r["label"] for r in ran], [r["output_throughput"] for r in ran], "output tokens/s",
-                   f"{config['model']}: {w['requests']} requests, {hardware_line(meta)}")
+        plot_bars(plot, [_wrap(r["label"]) for r in ran], {"output tokens/s": [r["output_throughput"] for r in ran]},
+                  ylabel="output tokens/s", title=f"{config['model']}: {w['requests']} requests, {hardware_line(meta)}")
     text = "\n".join([
         f"# llmopt bench throughput: {config['model']}", "",
         f"{meta['date']}, llmopt {meta['llmopt_version']} ({meta['git_commit'] or 'no git'}), {hardware_line(meta)}, "
@@ -36,35 +31,11 @@ def write_throughput_report(output_dir: Path, document: dict[str, Any]) -> None:
         f"{w['prompt_len_min']}-{w['prompt_len_max']} tokens ({w['prompt_tokens']} in all), outputs "
         f"{w['output_len_min']}-{w['output_len_max']} tokens ({w['output_tokens']}), greedy, EOS ignored, all "
         "submitted at once; each engine in a process of its own.", "",
-        markdown_table(TABLE_COLUMNS, table_rows(document)), "",
+        markdown_table(table_rows(document), TABLE_COLUMNS), "",
         "![output tokens/s per engine](throughput.png)" if ran else "", "",
     ])
     with atomic_file(output_dir / "report.md") as tmp:
         tmp.write_text(text, encoding="utf-8")
-
-
-def _bar_chart(path: Path, labels: list[str], values: list[float], ylabel: str, title: str,
-               ideal: list[float | None] | None = None) -> None:
-    """Bars of `values`; with `ideal`, a marker per bar at its roofline."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(max(6.0, 1.6 * len(labels)), 4.5))
-    bars = ax.bar(range(len(labels)), values, color="#4C72B0")
-    ax.bar_label(bars, labels=[f"{v:.1f}" for v in values])
-    if ideal and any(v is not None for v in ideal):
-        xs = [i for i, v in enumerate(ideal) if v is not None]
-        ax.scatter(xs, [ideal[i] for i in xs], marker="_", s=900, color="#C44E52", zorder=3, label="roofline")
-        ax.legend()
-    ax.set_xticks(range(len(labels)), [_wrap(label) for label in labels], fontsize=8)
-    ax.set_ylabel(ylabel)
-    ax.set_title(title, fontsize=10)
-    fig.tight_layout()
-    with atomic_file(path) as tmp:
-        fig.savefig(tmp, format="png", dpi=110)
-    plt.close(fig)
 
 
 def _wrap(label: str, width: int = 18) -> str:
@@ -86,9 +57,9 @@ def write_latency_report(output_dir: Path, document: dict[str, Any]) -> None:
     config, meta = document["config"], document["metadata"]
     ran = [r for r in document["runs"] if not r.get("skipped")]
     if ran:
-        _bar_chart(output_dir / "latency.png", [r["label"] for r in ran], [r["tg_tok_s"] for r in ran],
-                   "decode (tg) tokens/s", f"{config['model']}: {hardware_line(meta)}",
-                   ideal=[r.get("ideal_tg_tok_s") for r in ran])
+        plot_bars(output_dir / "latency.png", [_wrap(r["label"]) for r in ran],
+                  {"measured": [r["tg_tok_s"] for r in ran], "roofline": [r.get("ideal_tg_tok_s") for r in ran]},
+                  ylabel="decode (tg) tokens/s", title=f"{config['model']}: {hardware_line(meta)}")
     text = "\n".join([
         f"# llmopt bench latency: {config['model']}", "",
         f"{meta['date']}, llmopt {meta['llmopt_version']} ({meta['git_commit'] or 'no git'}), {hardware_line(meta)}, "
@@ -97,7 +68,7 @@ def write_latency_report(output_dir: Path, document: dict[str, Any]) -> None:
         f"sequence; medians of {config['num_iters']} iterations after {config['num_iters_warmup']} warm-up. "
         "Roofline: bytes a decode step reads at the mean context (weights as stored + K/V) over the measured "
         "bandwidth; MBU = measured / roofline tg tokens/s.", "",
-        markdown_table(LATENCY_COLUMNS, latency_rows(document)), "",
+        markdown_table(latency_rows(document), LATENCY_COLUMNS), "",
         "![decode tokens/s and the roofline](latency.png)" if ran else "", "",
     ])
     with atomic_file(output_dir / "report.md") as tmp:

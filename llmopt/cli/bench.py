@@ -174,3 +174,9 @@ def latency(
 
 
 app.command("latency")(latency)
+
+from llmopt.cli import bench_serve  # noqa: E402  (its commands register after the app exists)
+
+# `allow_extra_args`: vLLM's `--goodput ttft:500 tpot:50` passes its later words as extra arguments
+app.command("serve", context_settings={"allow_extra_args": True})(bench_serve.serve)
+app.command("compare")(bench_serve.compare)
