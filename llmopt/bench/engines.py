@@ -60,7 +60,7 @@ class EngineResult:
 
     def figures(self) -> dict[str, Any]:
         """The JSON figures, under vLLM's bench key names where it has one."""
-        d = {k: v for k, v in asdict(self).items() if k != "outputs"}
+        d = {k: v for k, v in asdict(self).items() if k not in ("outputs", "elapsed_s")}
         if not self.skipped and self.elapsed_s > 0:
             d.update(elapsed_time=self.elapsed_s, request_throughput=self.num_requests / self.elapsed_s,
                      output_throughput=self.output_tokens / self.elapsed_s,
