@@ -413,6 +413,11 @@ def test_serve_bad_input(tmp_path):
     assert_usage_error(["bench", "serve", "--url", url, "--tokenizer", str(tmp_path / "nothing")], "cannot reach")
 
 
+def test_a_launched_server_that_exits_is_one_line(tiny_models):
+    assert_usage_error(["bench", "serve", "--model", str(tiny_models["llama"]), "--serve-args", "--no-such-flag",
+                        "--num-prompts", "1"], "the server exited with code 2 before answering: No such option: --no-such-flag")
+
+
 def test_failed_warmups_stop_the_run(tiny_models):
     with FakeOpenAIServer(lambda i, body: Plan(status=404)) as server:
         assert_usage_error(["bench", "serve", "--url", server.url, "--tokenizer", str(tiny_models["llama"]),
