@@ -26,7 +26,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 import pytest
 
 from llmopt.bench.datasets import BenchRequest
@@ -411,6 +410,11 @@ def test_serve_bad_input(tmp_path):
     (tmp_path / "file").write_text("")
     assert_usage_error(["bench", "serve", "--url", url, "--output", str(tmp_path / "file" / "sub")], "--output")
     assert_usage_error(["bench", "serve", "--url", url, "--tokenizer", str(tmp_path / "nothing")], "cannot reach")
+
+
+def test_a_launched_server_that_exits_is_one_line(tiny_models):
+    assert_usage_error(["bench", "serve", "--model", str(tiny_models["llama"]), "--serve-args", "--no-such-flag",
+                        "--num-prompts", "1"], "the server exited with code 2 before answering: No such option: --no-such-flag")
 
 
 def test_failed_warmups_stop_the_run(tiny_models):

@@ -46,7 +46,7 @@ class Endpoint:
     api_key: str | None = None
     temperature: float = 0.0
     ignore_eos: bool = True
-    timeout: float = 600.0  # seconds per request
+    timeout: float = 600.0  # seconds without a byte (connect, queue, between chunks) before a request fails
 
     @property
     def url(self) -> str:

@@ -55,7 +55,7 @@ class ServeBenchConfig:
     percentiles: list[float] = field(default_factory=lambda: [50.0, 90.0, 99.0])
     goodput: dict[str, float] = field(default_factory=dict)  # SLOs in ms: ttft, tpot, e2el
     cost_per_hour: float | None = None
-    timeout: float = 600.0  # per request, seconds
+    timeout: float = 600.0  # seconds of silence from the server (httpx's connect/read timeouts) before a request fails
     server_timeout: float = 600.0  # for a launched server to answer
 
     def to_json(self) -> dict[str, Any]:

@@ -108,7 +108,10 @@ def write_report(output_dir: Path, document: dict[str, Any], runs: list[ServeRun
 
 def report_markdown(document: dict[str, Any], plot_names: list[str]) -> str:
     meta, config = document["metadata"], document["config"]
-    target = config.get("url") or f"`llmopt bench serve --model {config.get('model')}` ({config.get('launch')})"
+    target = config.get("url") or f"launched by bench serve (`--launch {config.get('launch')} --model " \
+        f"{config.get('model')}`)"
+    lengths = {"random": f"input length {config['input_len']}, ",
+               "prefix-shared": f"shared prefix {config['prefix_len']} tokens, "}.get(config["dataset"], "")
     rate = config.get("request_rate")
     load = f"sweep {config['sweep']}" if config.get("sweep") else (
         f"request rate {rate}" + (f", max concurrency {config['max_concurrency']}" if config.get("max_concurrency")
@@ -120,7 +123,7 @@ def report_markdown(document: dict[str, Any], plot_names: list[str]) -> str:
         f"(commit {str(meta.get('git_commit') or 'unknown')[:10]}), {meta.get('date')}.",
         "",
         f"Workload: {config['num_prompts']} `{config['dataset']}` requests to the {config['endpoint']} endpoint "
-        f"(input length {config['input_len']}, output length {config['output_len']}, range ratio "
+        f"({lengths}output length {config['output_len'] or 'from the file'}, range ratio "
         f"{config['range_ratio']}, seed {config['seed']}), streaming, temperature {config['temperature']}, "
         f"ignore_eos {config['ignore_eos']}, {config['num_warmups']} warm-up request(s); load: {load}, "
         f"burstiness {config['burstiness']}.",

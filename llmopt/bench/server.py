@@ -115,5 +115,7 @@ def _wait_ready(proc: subprocess.Popen, url: str, log_path: str, timeout: float)
 
 
 def _last_line(path: str) -> str:
-    lines = [line for line in Path(path).read_text(errors="replace").splitlines() if line.strip()]
-    return lines[-1].strip() if lines else "(no output)"
+    """The server's last line with words in it (rich/click error boxes end in a border line)."""
+    lines = [line.strip(" \t│┃|╭╮╰╯─━") for line in Path(path).read_text(errors="replace").splitlines()]
+    lines = [line for line in lines if any(ch.isalnum() for ch in line)]
+    return lines[-1] if lines else "(no output)"

@@ -59,7 +59,8 @@ def serve(
                                       "(also e2el)."),
     cost_per_hour: float | None = typer.Option(None, "--cost-per-hour", help="$ per hour of the server: adds "
                                                "$ per million output tokens."),
-    timeout: float = typer.Option(600.0, "--timeout", help="Seconds per request before it counts as failed."),
+    timeout: float = typer.Option(600.0, "--timeout", help="Seconds without a byte from the server (connecting, "
+                                  "queued, or between chunks) before a request counts as failed."),
     server_timeout: float = typer.Option(600.0, "--server-timeout", help="Seconds for a launched server to answer."),
     output: Path | None = typer.Option(None, "--output", "-o", help="Folder for results.json, report.md and plots."),
     save_detailed: bool = typer.Option(False, "--save-detailed", help="Per-request lists in results.json."),
