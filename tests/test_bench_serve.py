@@ -31,7 +31,8 @@ import pytest
 from llmopt.bench.datasets import BenchRequest
 from llmopt.bench.loadgen import Endpoint, run_load, send_offsets
 from llmopt.bench.results import results_document, write_results
-from llmopt.bench.serve import ServeBenchConfig, load_tokenizer, parse_sweep, run_serve_bench
+from llmopt.bench.serve import ServeBenchConfig, parse_sweep, run_serve_bench
+from llmopt.core import load_tokenizer
 from llmopt.bench.serve_metrics import RequestResult, compute_metrics, parse_goodput, parse_percentiles
 from llmopt.errors import LlmoptError
 from tests.conftest import assert_usage_error, run_cli

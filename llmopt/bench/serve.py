@@ -21,6 +21,7 @@ from llmopt.bench.datasets import BenchRequest, make_workload
 from llmopt.bench.loadgen import ENDPOINTS, Endpoint, run_load
 from llmopt.bench.serve_metrics import RequestResult, compute_metrics
 from llmopt.bench.server import LAUNCHERS, base_url, launched_server, probe
+from llmopt.core import load_tokenizer
 from llmopt.errors import LlmoptError
 
 SWEEP_VARIABLES = ("concurrency", "rate")
@@ -139,18 +140,6 @@ def check_config(config: ServeBenchConfig) -> None:
     if not config.timeout > 0 or not config.server_timeout > 0:
         raise LlmoptError("--timeout and --server-timeout must be > 0 seconds")
     load_points(config)  # the sweep's syntax
-
-
-def load_tokenizer(spec: str):
-    """llmopt's Tokenizer of a model spec (a folder's tokenizer files or a GGUF's vocabulary), no weights."""
-    from llmopt.core import Tokenizer, resolve
-
-    source = resolve(spec)
-    if source.kind == "gguf":
-        from llmopt.core.gguf_file import read_gguf_tokenizer
-
-        return read_gguf_tokenizer(source.path)
-    return Tokenizer.from_dir(source.path)
 
 
 def build_workload(config: ServeBenchConfig, tokenizer) -> list[BenchRequest]:
