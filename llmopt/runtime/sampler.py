@@ -1,4 +1,5 @@
-"""Turning logits into next tokens: penalties, greedy, temperature, top-k, top-p, min-p, logprobs.
+"""Turning logits into next tokens: penalties, greedy, temperature, top-k, top-p, min-p, logprobs,
+and a structured output's token mask for just the rows that have one.
 
 Each request samples with its own `torch.Generator` (seeded from `SamplingParams.seed`),
 so a seeded request draws the same tokens whatever else is in the batch.
@@ -80,6 +81,8 @@ class SampleRequest:
     prompt_ids: list[int]
     output_ids: list[int]
     blocked_ids: list[int]  # tokens that may not be sampled now (EOS/stop ids before min_tokens)
+    # bool [vocab]: the only tokens that may be sampled (a structured output's grammar); None = all
+    allowed_ids: torch.Tensor | None = None
 
 
 @dataclass
@@ -92,7 +95,7 @@ class SampleResult:
 def sample_batch(logits: torch.Tensor, requests: list[SampleRequest]) -> list[SampleResult]:
     """logits [batch, vocab] -> one result per row."""
     logits = logits.float()
-    plain = all(not r.params.uses_penalties and not r.blocked_ids for r in requests)
+    plain = all(not r.params.uses_penalties and not r.blocked_ids and r.allowed_ids is None for r in requests)
     greedy_ids = logits.argmax(dim=-1).tolist() if plain else None
     results: list[SampleResult] = []
     for row, req in enumerate(requests):
@@ -103,6 +106,11 @@ def sample_batch(logits: torch.Tensor, requests: list[SampleRequest]) -> list[Sa
         if req.blocked_ids:
             row_logits = row_logits.clone()
             row_logits[req.blocked_ids] = float("-inf")
+        if req.allowed_ids is not None:
+            masked = row_logits.masked_fill(~req.allowed_ids.to(row_logits.device), float("-inf"))
+            # min_tokens may block the grammar's only way on (EOS): then the grammar wins
+            row_logits = masked if bool(torch.isfinite(masked).any()) else logits[row].masked_fill(
+                ~req.allowed_ids.to(row_logits.device), float("-inf"))
         if p.greedy:
             token = greedy_ids[row] if greedy_ids is not None else int(row_logits.argmax())
         else:
