@@ -106,11 +106,17 @@ def sample_batch(logits: torch.Tensor, requests: list[SampleRequest]) -> list[Sa
         if req.blocked_ids:
             row_logits = row_logits.clone()
             row_logits[req.blocked_ids] = float("-inf")
+        # logprobs describe the model's distribution (after penalties) before a grammar's mask, as vLLM's
+        # default does; the masked one has -inf everywhere the grammar forbids
+        scored_logits = row_logits
         if req.allowed_ids is not None:
-            masked = row_logits.masked_fill(~req.allowed_ids.to(row_logits.device), float("-inf"))
-            # min_tokens may block the grammar's only way on (EOS): then the grammar wins
-            row_logits = masked if bool(torch.isfinite(masked).any()) else logits[row].masked_fill(
-                ~req.allowed_ids.to(row_logits.device), float("-inf"))
+            forbidden = ~req.allowed_ids.to(row_logits.device)
+            masked = row_logits.masked_fill(forbidden, float("-inf"))
+            if not bool(torch.isfinite(masked).any()):
+                # min_tokens blocked the grammar's only way on (EOS): the grammar wins
+                scored_logits = logits[row]
+                masked = scored_logits.masked_fill(forbidden, float("-inf"))
+            row_logits = masked
         if p.greedy:
             token = greedy_ids[row] if greedy_ids is not None else int(row_logits.argmax())
         else:
@@ -118,7 +124,7 @@ def sample_batch(logits: torch.Tensor, requests: list[SampleRequest]) -> list[Sa
         logprobs = None
         if p.logprobs is not None:
             # logprobs of the model's distribution (after penalties), as vLLM reports them
-            lp = torch.log_softmax(row_logits, dim=-1)
+            lp = torch.log_softmax(scored_logits, dim=-1)
             logprobs = {token: float(lp[token])}
             if p.logprobs > 0:
                 top = torch.topk(lp, p.logprobs)
