@@ -4,6 +4,7 @@ json_object, chat and completions, streaming and not; unconstrained requests bes
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -54,9 +55,9 @@ def http(loaded):
         yield client
 
 
-def sse_texts(resp) -> dict[int, str]:
+def sse_texts(body: str) -> dict[int, str]:
     texts: dict[int, str] = {}
-    for line in resp.iter_lines():
+    for line in body.splitlines():
         if line.startswith("data: ") and line != "data: [DONE]":
             for choice in json.loads(line[6:])["choices"]:
                 texts[choice["index"]] = texts.get(choice["index"], "") + (
@@ -65,19 +66,23 @@ def sse_texts(resp) -> dict[int, str]:
 
 
 def test_twenty_sampled_completions_follow_the_schema(http):
-    texts: list[str] = []
+    """Four requests at once (so their samples share batches): chat and completions, streamed and not."""
     chat = {"messages": MESSAGES, "response_format": RESPONSE_FORMAT, "temperature": 1.0, "max_tokens": MAX_TOKENS}
-    resp = http.post("/v1/chat/completions", json={**chat, "n": 8, "seed": 1})
-    assert resp.status_code == 200, resp.text
-    texts += [c["message"]["content"] for c in resp.json()["choices"]]
-    with http.stream("POST", "/v1/chat/completions", json={**chat, "n": 6, "seed": 100, "stream": True}) as resp:
-        texts += list(sse_texts(resp).values())
-    prompt = f"{ASK}\nJSON:"
-    completion = {"prompt": prompt, "response_format": RESPONSE_FORMAT, "temperature": 1.0, "max_tokens": MAX_TOKENS}
-    resp = http.post("/v1/completions", json={**completion, "n": 3, "seed": 200})
-    texts += [c["text"] for c in resp.json()["choices"]]
-    with http.stream("POST", "/v1/completions", json={**completion, "n": 3, "seed": 300, "stream": True}) as resp:
-        texts += list(sse_texts(resp).values())
+    completion = {"prompt": f"{ASK}\nJSON:", "response_format": RESPONSE_FORMAT, "temperature": 1.0,
+                  "max_tokens": MAX_TOKENS}
+    calls = [("/v1/chat/completions", {**chat, "n": 8, "seed": 1}),
+             ("/v1/chat/completions", {**chat, "n": 6, "seed": 100, "stream": True}),
+             ("/v1/completions", {**completion, "n": 3, "seed": 200}),
+             ("/v1/completions", {**completion, "n": 3, "seed": 300, "stream": True})]
+    with ThreadPoolExecutor(len(calls)) as pool:
+        responses = list(pool.map(lambda call: http.post(call[0], json=call[1]), calls))
+    texts: list[str] = []
+    for (_, body), resp in zip(calls, responses):
+        assert resp.status_code == 200, resp.text
+        if body.get("stream"):
+            texts += list(sse_texts(resp.text).values())
+        else:
+            texts += [c["message"]["content"] if "message" in c else c["text"] for c in resp.json()["choices"]]
     assert len(texts) == 20
     for text in texts:
         jsonschema.validate(json.loads(text), PET)
