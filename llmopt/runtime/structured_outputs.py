@@ -97,9 +97,9 @@ class StructuredOutputManager:
     def matcher(self, params: StructuredOutputsParams) -> Any:
         """A fresh `llguidance.LLMatcher` for one request; LlmoptError naming the problem if the
         constraint is invalid."""
+        tokenizer = self._llg_tokenizer()  # first: it explains a missing llguidance
         from llguidance import LLMatcher
 
-        tokenizer = self._llg_tokenizer()
         grammar = params.lark_or_grammar()
         is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar, tokenizer)
         if is_error:
