@@ -206,19 +206,21 @@ class ModelRunner:
         if hidden is None:
             hidden = self.model(input_ids, positions_t, self.attn)
         self.attn.metadata = None
-        out = RunnerOutput(torch.empty(0, self.model.config.vocab_size), samplers)
+        prompt_scores: list[tuple[Sequence, list[dict[int, float]]]] = []
+        prompts_done: list[Sequence] = []
         if score_prompts:
-            starts = [(seq, row) for row, (seq, _) in enumerate(decodes)]
-            starts += [(seq, meta[0]) for (seq, _), meta in zip(prefills, prefill_meta)]
-            for (seq, n), (_, start) in zip(decodes + prefills, starts):
+            starts = list(range(len(decodes))) + [meta[0] for meta in prefill_meta]
+            for (seq, n), start in zip(decodes + prefills, starts):
                 if seq.needs_prompt_scores:
-                    out.prompt_logprobs.append((seq, self._score_prompt(hidden, seq, start, n)))
+                    prompt_scores.append((seq, self._score_prompt(hidden, seq, start, n)))
+            prompts_done = [seq for seq in samplers if seq.params.max_tokens == 0]
             keep = [i for i, seq in enumerate(samplers) if seq.params.max_tokens > 0]
-            out.prompts_done = [seq for seq in samplers if seq.params.max_tokens == 0]
-            sample_rows, out.samplers = [sample_rows[i] for i in keep], [samplers[i] for i in keep]
+            sample_rows, samplers = [sample_rows[i] for i in keep], [samplers[i] for i in keep]
         if sample_rows:
-            out.logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
-        return out
+            logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
+        else:
+            logits = torch.empty(0, self.model.config.vocab_size)
+        return RunnerOutput(logits, samplers, prompt_scores, prompts_done)
 
     def _score_prompt(self, hidden: torch.Tensor, seq: Sequence, start: int, n: int) -> list[dict[int, float]]:
         """{token: logprob} (the prompt token, then the top `prompt_logprobs`) for each prompt position
