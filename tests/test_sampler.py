@@ -122,3 +122,22 @@ def test_draw_never_picks_zero_probability_tokens_and_matches_frequencies():
     assert torch.allclose(counts / counts.sum(), probs, atol=0.015)
     # unnormalised input (a sum slightly off 1 after filtering) is drawn in proportion
     assert draw(torch.tensor([0.0, 0.0, 1e-30]), gen) == 2
+
+
+def test_grammar_mask_applies_to_its_row_only_and_logprobs_stay_finite():
+    from llmopt.runtime.sampler import SampleRequest, sample_batch
+
+    logits = torch.tensor([[5.0, 1.0, 0.0, -1.0]] * 2)
+    allowed = torch.tensor([False, False, True, True])
+    p = SamplingParams(temperature=1.0, seed=0, logprobs=2)
+    gen = make_generator(p)
+    for _ in range(100):
+        masked, plain = sample_batch(logits, [SampleRequest(p, gen, [], [], [], allowed_ids=allowed),
+                                              SampleRequest(SamplingParams(temperature=0), None, [], [], [])])
+        assert masked.token_id in (2, 3) and plain.token_id == 0
+        # logprobs are the model's distribution before the mask: finite, the top-2 included
+        assert all(math.isfinite(v) for v in masked.logprobs.values()) and {0, 1} <= set(masked.logprobs)
+    # min_tokens blocking the grammar's only token (EOS): the grammar wins
+    [res] = sample_batch(logits[:1], [SampleRequest(SamplingParams(temperature=0, logprobs=0), None, [], [], [2],
+                                                    allowed_ids=torch.tensor([False, False, True, False]))])
+    assert res.token_id == 2 and math.isfinite(res.logprobs[2])

@@ -148,13 +148,69 @@ def test_async_client_streaming_completions(server):
         ({"messages": MESSAGES, "top_p": 1.5}, 400, "top_p"),
         ({"messages": MESSAGES, "max_tokens": "ten"}, 400, "max_tokens"),
         ({"messages": MESSAGES, "model": "gpt-4"}, 404, "does not exist"),
+        # known fields llmopt cannot honour are refused, named, rather than dropped
+        ({"messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+        ({"messages": MESSAGES, "logit_bias": {"5": 10}}, 400, "logit_bias"),
+        ({"messages": MESSAGES, "prompt_logprobs": 1}, 400, "prompt_logprobs"),
+        ({"prompt": "the", "suffix": "end"}, 400, "suffix"),
+        ({"prompt": "the", "best_of": 3}, 400, "best_of"),
+        ({"prompt": "the", "guided_json": {"type": "object"}}, 400, "guided_json"),
+        ({"messages": MESSAGES, "response_format": {"type": "yaml"}}, 400, "response_format type"),
+        ({"messages": MESSAGES, "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "nope"}}}},
+         400, "invalid JSON schema: Invalid type: nope"),
+        ({"prompt": "the", "response_format": {"type": "json_schema", "json_schema": {"schema": 3}}}, 400, "schema"),
+        ({"prompt": "the", "max_tokens": -1}, 400, "max_tokens"),
     ],
 )
 def test_bad_requests_get_openai_errors(server, body, status, fragment):
-    resp = post(server, "/v1/chat/completions", body, raw=b"{not json" if body is None else None)
+    path = "/v1/completions" if body and "prompt" in body else "/v1/chat/completions"
+    resp = post(server, path, body, raw=b"{not json" if body is None else None)
     assert resp.status_code == status, resp.text
     err = resp.json()["error"]
     assert fragment in err["message"] and set(err) == {"message", "type", "param", "code"}
+    if status == 400 and body and ("response_format" in body or "tools" in body or "suffix" in body):
+        assert err["param"] in body
+
+
+def test_harmless_values_of_unsupported_fields_are_accepted(client):
+    resp = client.completions.create(model=MODEL, prompt="the", max_tokens=2, temperature=0, best_of=1,
+                                     extra_body={"logit_bias": None, "tools": [], "user": "me", "some_new_field": 1})
+    assert resp.choices[0].finish_reason in ("length", "stop")
+
+
+def test_echo_logprobs_token_id_prompts_n_and_streaming(client, server, tiny_models):
+    """Harness-style scoring: token-id prompts, several per request, n, echo + logprobs, max_tokens 0 and 1;
+    the prompt positions carry the runtime's prompt logprobs (the first null), then the generated token."""
+    prompts = [[5, 6, 7, 8, 9], [40, 41, 42]]
+    reference = LLM(load(str(tiny_models["llama"]), dtype="float32"), num_kv_blocks=64).generate(
+        prompts, SamplingParams(max_tokens=0, prompt_logprobs=2))
+    for max_tokens in (0, 1):
+        resp = client.completions.create(model=MODEL, prompt=prompts, n=2, echo=True, logprobs=2, temperature=0,
+                                         max_tokens=max_tokens)
+        assert sorted(c.index for c in resp.choices) == [0, 1, 2, 3]
+        for c in resp.choices:
+            ids, ref = prompts[c.index // 2], reference[c.index // 2].prompt_logprobs
+            lp = c.logprobs
+            assert len(lp.tokens) == len(ids) + max_tokens and lp.text_offset[0] == 0
+            assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+            for pos in range(1, len(ids)):
+                assert lp.token_logprobs[pos] == pytest.approx(ref[pos][ids[pos]], abs=1e-5)
+                assert max(lp.top_logprobs[pos].values()) == pytest.approx(max(ref[pos].values()), abs=1e-5)
+            assert c.text.startswith(post(server, "/detokenize", {"tokens": ids}).json()["prompt"])
+    # streamed: the echoed prompt with its logprobs first, then the generated tokens
+    chunks = list(client.completions.create(model=MODEL, prompt=prompts[0], echo=True, logprobs=1, max_tokens=3,
+                                            temperature=0, stream=True, extra_body={"ignore_eos": True}))
+    whole = client.completions.create(model=MODEL, prompt=prompts[0], echo=True, logprobs=1, max_tokens=3,
+                                      temperature=0, extra_body={"ignore_eos": True}).choices[0]
+    streamed = [v for c in chunks if c.choices[0].logprobs for v in c.choices[0].logprobs.token_logprobs]
+    assert streamed == whole.logprobs.token_logprobs
+    assert "".join(c.choices[0].text for c in chunks) == whole.text
+    # vLLM's prompt_logprobs extra parameter: token id -> {logprob, decoded_token}
+    extra = post(server, "/v1/completions", {"prompt": prompts[1], "max_tokens": 1, "prompt_logprobs": 0}).json()
+    scores = extra["choices"][0]["prompt_logprobs"]
+    assert scores[0] is None
+    assert scores[1][str(prompts[1][1])]["logprob"] == pytest.approx(reference[1].prompt_logprobs[1][prompts[1][1]],
+                                                                    abs=1e-5)
 
 
 def test_invalid_utf8_huge_body_and_auth(server):
@@ -303,6 +359,22 @@ def test_queue_limit_gives_503_and_logs_hide_prompts(tiny_models):
         log = proc.communicate(timeout=20)[0]
     assert "request " in log and "prompt tokens" in log  # requests are logged ...
     assert "secret words" not in log  # ... without their prompts unless --log-requests
+
+
+def test_ignored_fields_are_logged_once_per_name(tiny_models, caplog):
+    from starlette.testclient import TestClient
+
+    from llmopt.runtime.async_engine import AsyncLLM
+    from llmopt.serve.app import ServeConfig, build_app
+
+    engine = AsyncLLM.from_spec(load(str(tiny_models["llama"]), dtype="float32"), num_kv_blocks=64, max_model_len=128)
+    body = {"prompt": "the cat", "max_tokens": 1, "user": "me", "my_extension": {"a": 1}}
+    with TestClient(build_app(engine, ServeConfig(served_model_name=MODEL))) as http, caplog.at_level("WARNING"):
+        for _ in range(3):
+            assert http.post("/v1/completions", json=body).status_code == 200
+    warnings = [r.getMessage() for r in caplog.records if "ignoring request field" in r.getMessage()]
+    assert sorted(warnings) == sorted(f"ignoring request field {name!r}: llmopt serve does not use it "
+                                      "(logged once per name)" for name in ("user", "my_extension"))
 
 
 def test_in_process_app_fails_requests_on_engine_errors_and_stops_the_engine_thread(tiny_models):

@@ -27,6 +27,7 @@ from llmopt.runtime.sampler import SampleRequest, make_generator, sample_batch
 from llmopt.runtime.sampling_params import SamplingParams
 from llmopt.runtime.scheduler import Scheduler
 from llmopt.runtime.sequence import Sequence
+from llmopt.runtime.structured_outputs import StructuredOutputManager
 
 logger = logging.getLogger("llmopt.engine")
 
@@ -135,6 +136,11 @@ class LLMEngine(EngineFrontend):
         self._ids = itertools.count()
         self.prompt_tokens = 0
         self.generation_tokens = 0
+        self.structured_outputs = StructuredOutputManager(self.tokenizer, self.vocab_size)
+        # unfinished requests using prompt_logprobs / structured_outputs: while both are 0 a step
+        # does no work for either feature
+        self.num_scoring = 0
+        self.num_constrained = 0
         tokens = num_blocks * config.block_size
         logger.info(
             "KV cache: %d blocks of %d tokens = %d tokens (%.2f GiB, %s); maximum concurrency at %d tokens per "
@@ -189,6 +195,10 @@ class LLMEngine(EngineFrontend):
         if needed > self.kv.num_blocks:
             raise LlmoptError(f"the request needs {needed} KV blocks but the pool has {self.kv.num_blocks}; "
                               "raise --kv-cache-memory or lower max_tokens")
+        if seq.params.structured_outputs is not None:
+            seq.matcher = self.structured_outputs.matcher(seq.params.structured_outputs)
+            self.num_constrained += 1
+        self.num_scoring += seq.prompt_logprobs is not None
         seq.generator = make_generator(seq.params)
         self.requests[seq.request_id] = seq
         self.scheduler.add(seq)
@@ -200,8 +210,14 @@ class LLMEngine(EngineFrontend):
             return None
         seq.finish_reason = "abort"
         seq.finished_time = time.time()
-        self.scheduler.finish(seq)
+        self._retire(seq)
         return make_output(seq, [])
+
+    def _retire(self, seq: Sequence) -> None:
+        """A finished or aborted request (already out of self.requests) leaves the scheduler."""
+        self.scheduler.finish(seq)
+        self.num_scoring -= seq.prompt_logprobs is not None
+        self.num_constrained -= seq.matcher is not None
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -216,15 +232,25 @@ class LLMEngine(EngineFrontend):
         for seq, _ in sched.scheduled:
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = now
-        logits, samplers = self.runner.execute(sched.scheduled)
+        step = self.runner.execute(sched.scheduled, score_prompts=self.num_scoring > 0)
+        samplers = step.samplers
         for seq, n in sched.scheduled:
             seq.num_computed_tokens += n
             self.kv.cache_full_blocks(seq)
-        if not samplers:
-            return []
-        results = sample_batch(logits, [self._sample_request(s) for s in samplers])
-        now = time.time()
         outputs: list[RequestOutput] = []
+        if self.num_scoring:
+            for seq, scores in step.prompt_logprobs:
+                seq.prompt_logprobs.extend(scores)
+            outputs += [self._finish_scored(seq) for seq in step.prompts_done]
+        if not samplers:
+            return outputs
+        requests = [self._sample_request(s) for s in samplers]
+        if self.num_constrained:
+            for seq, request in zip(samplers, requests):
+                if seq.matcher is not None:
+                    request.allowed_ids = self.structured_outputs.allowed_tokens(seq.matcher)
+        results = sample_batch(step.logits, requests)
+        now = time.time()
         for seq, result in zip(samplers, results):
             new_ids = [result.token_id]
             seq.token_ids.append(result.token_id)
@@ -235,12 +261,27 @@ class LLMEngine(EngineFrontend):
             if result.logprobs is not None:
                 seq.logprobs.append(result.logprobs)
             check_stop(seq, result.token_id, self.tokenizer.eos_token_ids, self.max_model_len)
+            if seq.matcher is not None:
+                # the one place a constrained request's state moves on: its matcher takes the token;
+                # a finished grammar (only EOS left) ends the request even under ignore_eos
+                seq.matcher.consume_token(result.token_id)
+                if seq.finish_reason is None and seq.matcher.is_stopped():
+                    seq.finish_reason = "stop"
             if seq.finish_reason is not None:
                 seq.finished_time = now
-                self.scheduler.finish(seq)
                 del self.requests[seq.request_id]
+                self._retire(seq)
             outputs.append(make_output(seq, new_ids))
         return outputs
+
+    def _finish_scored(self, seq: Sequence) -> RequestOutput:
+        """A max_tokens=0 request whose prompt is now scored: done, with no output tokens."""
+        seq.finish_reason = "length"
+        seq.first_token_time = seq.finished_time = time.time()
+        self.prompt_tokens += seq.num_prompt_tokens
+        del self.requests[seq.request_id]
+        self._retire(seq)
+        return make_output(seq, [])
 
     def _sample_request(self, seq: Sequence) -> SampleRequest:
         p = seq.params
@@ -293,4 +334,4 @@ def make_output(seq: Sequence, new_ids: list[int]) -> RequestOutput:
     )
     metrics = RequestMetrics(seq.arrival_time, seq.first_scheduled_time, seq.first_token_time, seq.finished_time)
     return RequestOutput(seq.request_id, seq.prompt, seq.prompt_token_ids, [completion], finished, metrics,
-                         num_cached_tokens=seq.num_cached_tokens)
+                         num_cached_tokens=seq.num_cached_tokens, prompt_logprobs=seq.prompt_logprobs)

@@ -72,7 +72,10 @@ class KVCacheManager:
 
     def get_computed_blocks(self, seq: Sequence) -> list[int]:
         """Leading blocks of `seq` whose K/V are already cached (a new or preempted request)."""
-        if not self.enable_prefix_caching:
+        # positions served from the cache are never computed, so they could not be scored: a request
+        # that still needs prompt logprobs computes its whole prompt (vLLM does the same); the blocks
+        # it fills are registered as usual and serve later requests
+        if not self.enable_prefix_caching or seq.needs_prompt_scores:
             return []
         self._hash_full_blocks(seq)
         # the last token is always recomputed: its logits are needed to sample

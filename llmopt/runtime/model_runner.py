@@ -41,6 +41,18 @@ class StepMetadata:
         return self._masks[sliding_window]
 
 
+SCORE_ROWS = 256  # prompt positions per vocabulary projection when scoring a prompt ([256, vocab] fp32 logits)
+
+
+@dataclass
+class RunnerOutput:
+    logits: torch.Tensor  # [len(samplers), vocab]
+    samplers: list[Sequence]  # the sequences that sample a token this step, in logits' row order
+    # (sequence, {token: logprob} per newly scored prompt position, in order) for prompt_logprobs requests
+    prompt_logprobs: list[tuple[Sequence, list[dict[int, float]]]] = field(default_factory=list)
+    prompts_done: list[Sequence] = field(default_factory=list)  # max_tokens=0 requests whose prompt is scored
+
+
 class PagedAttentionBackend(AttentionBackend):
     """Attention over the paged pools. `query_dtype` is the model's dtype (default: the pools');
     the pools may be narrower (write_kv rounds K/V into them, reads widen them back)."""
@@ -132,11 +144,14 @@ class ModelRunner:
         return torch.tensor(rows, device=self.device)
 
     @torch.inference_mode()
-    def execute(self, scheduled: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, list[Sequence]]:
+    def execute(self, scheduled: list[tuple[Sequence, int]], score_prompts: bool = False) -> RunnerOutput:
         """Run one step; return logits [n, vocab] for the sequences that now sample, and those sequences.
 
         A sequence samples when this step computes its last known token (a decode, or the
         final chunk of its prompt); earlier prompt chunks only fill the cache.
+        `score_prompts` (some request in the step may want prompt logprobs): also score the
+        prompt positions this step computes for such requests, and leave requests with
+        max_tokens=0 out of sampling (their prompt is all they asked for).
         """
         decodes = [(s, n) for s, n in scheduled if n == 1]
         prefills = [(s, n) for s, n in scheduled if n > 1]
@@ -191,7 +206,47 @@ class ModelRunner:
         if hidden is None:
             hidden = self.model(input_ids, positions_t, self.attn)
         self.attn.metadata = None
-        if not sample_rows:
-            return torch.empty(0, self.model.config.vocab_size), []
-        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
-        return logits, samplers
+        prompt_scores: list[tuple[Sequence, list[dict[int, float]]]] = []
+        prompts_done: list[Sequence] = []
+        if score_prompts:
+            starts = list(range(len(decodes))) + [meta[0] for meta in prefill_meta]
+            for (seq, n), start in zip(decodes + prefills, starts):
+                if seq.needs_prompt_scores:
+                    prompt_scores.append((seq, self._score_prompt(hidden, seq, start, n)))
+            prompts_done = [seq for seq in samplers if seq.params.max_tokens == 0]
+            keep = [i for i, seq in enumerate(samplers) if seq.params.max_tokens > 0]
+            sample_rows, samplers = [sample_rows[i] for i in keep], [samplers[i] for i in keep]
+        if sample_rows:
+            logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
+        else:
+            logits = torch.empty(0, self.model.config.vocab_size)
+        return RunnerOutput(logits, samplers, prompt_scores, prompts_done)
+
+    def _score_prompt(self, hidden: torch.Tensor, seq: Sequence, start: int, n: int) -> list[dict[int, float]]:
+        """{token: logprob} (the prompt token, then the top `prompt_logprobs`) for each prompt position
+        this step's rows start..start+n-1 predict and `seq` has not scored yet.
+
+        Row start+i holds position ctx+i and predicts position ctx+i+1; the vocabulary projection
+        runs in slices of SCORE_ROWS rows so a long chunk never holds [chunk, vocab] logits at once.
+        """
+        ctx = seq.num_computed_tokens
+        first = max(ctx + 1, len(seq.prompt_logprobs))
+        last = min(ctx + n, seq.num_prompt_tokens - 1)  # the position after the prompt is sampled, not scored
+        if first > last:
+            return []
+        rows = hidden[start + first - 1 - ctx : start + last - ctx]
+        targets = torch.tensor(seq.token_ids[first : last + 1], device=self.device)
+        top_n = seq.params.prompt_logprobs
+        scores: list[dict[int, float]] = []
+        for i in range(0, rows.shape[0], SCORE_ROWS):
+            logprobs = torch.log_softmax(self.model.compute_logits(rows[i : i + SCORE_ROWS]).float(), dim=-1)
+            chunk_targets = targets[i : i + SCORE_ROWS]
+            picked = logprobs.gather(1, chunk_targets[:, None]).squeeze(1).tolist()
+            top = torch.topk(logprobs, top_n) if top_n else None
+            for j, (target, value) in enumerate(zip(chunk_targets.tolist(), picked)):
+                entry = {target: value}
+                if top is not None:
+                    for tid, v in zip(top.indices[j].tolist(), top.values[j].tolist()):
+                        entry.setdefault(tid, v)
+                scores.append(entry)
+        return scores

@@ -58,4 +58,7 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    # with SamplingParams.prompt_logprobs: per prompt position {token: logprob} (the prompt token, then the
+    # top N), None for the first position (vLLM's layout)
+    prompt_logprobs: list[dict[int, float] | None] | None = None
     error: str | None = None  # set when the request was rejected

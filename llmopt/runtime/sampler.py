@@ -1,4 +1,5 @@
-"""Turning logits into next tokens: penalties, greedy, temperature, top-k, top-p, min-p, logprobs.
+"""Turning logits into next tokens: penalties, greedy, temperature, top-k, top-p, min-p, logprobs,
+and a structured output's token mask for just the rows that have one.
 
 Each request samples with its own `torch.Generator` (seeded from `SamplingParams.seed`),
 so a seeded request draws the same tokens whatever else is in the batch.
@@ -80,6 +81,8 @@ class SampleRequest:
     prompt_ids: list[int]
     output_ids: list[int]
     blocked_ids: list[int]  # tokens that may not be sampled now (EOS/stop ids before min_tokens)
+    # bool [vocab]: the only tokens that may be sampled (a structured output's grammar); None = all
+    allowed_ids: torch.Tensor | None = None
 
 
 @dataclass
@@ -92,7 +95,7 @@ class SampleResult:
 def sample_batch(logits: torch.Tensor, requests: list[SampleRequest]) -> list[SampleResult]:
     """logits [batch, vocab] -> one result per row."""
     logits = logits.float()
-    plain = all(not r.params.uses_penalties and not r.blocked_ids for r in requests)
+    plain = all(not r.params.uses_penalties and not r.blocked_ids and r.allowed_ids is None for r in requests)
     greedy_ids = logits.argmax(dim=-1).tolist() if plain else None
     results: list[SampleResult] = []
     for row, req in enumerate(requests):
@@ -103,6 +106,17 @@ def sample_batch(logits: torch.Tensor, requests: list[SampleRequest]) -> list[Sa
         if req.blocked_ids:
             row_logits = row_logits.clone()
             row_logits[req.blocked_ids] = float("-inf")
+        # logprobs describe the model's distribution (after penalties) before a grammar's mask, as vLLM's
+        # default does; the masked one has -inf everywhere the grammar forbids
+        scored_logits = row_logits
+        if req.allowed_ids is not None:
+            forbidden = ~req.allowed_ids.to(row_logits.device)
+            masked = row_logits.masked_fill(forbidden, float("-inf"))
+            if not bool(torch.isfinite(masked).any()):
+                # min_tokens blocked the grammar's only way on (EOS): the grammar wins
+                scored_logits = logits[row]
+                masked = scored_logits.masked_fill(forbidden, float("-inf"))
+            row_logits = masked
         if p.greedy:
             token = greedy_ids[row] if greedy_ids is not None else int(row_logits.argmax())
         else:
@@ -110,7 +124,7 @@ def sample_batch(logits: torch.Tensor, requests: list[SampleRequest]) -> list[Sa
         logprobs = None
         if p.logprobs is not None:
             # logprobs of the model's distribution (after penalties), as vLLM reports them
-            lp = torch.log_softmax(row_logits, dim=-1)
+            lp = torch.log_softmax(scored_logits, dim=-1)
             logprobs = {token: float(lp[token])}
             if p.logprobs > 0:
                 top = torch.topk(lp, p.logprobs)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from llmopt.errors import LlmoptError
+from llmopt.runtime.structured_outputs import StructuredOutputsParams
 
 
 @dataclass
@@ -24,11 +25,19 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0  # EOS and stop tokens are suppressed until this many are generated
     logprobs: int | None = None  # None = off; N = the chosen token's logprob plus the top N
+    # None = off; N = every prompt token's logprob given the tokens before it, plus the top N
+    # (the first position has none); with max_tokens=0 the request only scores its prompt
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    # constrain the output to a JSON schema, any JSON object, a regex, a choice or a grammar
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise LlmoptError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        # vLLM accepts max_tokens=0 together with prompt_logprobs: the request only scores its prompt
+        least = 0 if self.prompt_logprobs is not None else 1
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < least:
+            raise LlmoptError(f"max_tokens must be a positive integer (0 only with prompt_logprobs), "
+                              f"got {self.max_tokens!r}")
         if self.temperature < 0:
             raise LlmoptError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
@@ -45,6 +54,11 @@ class SamplingParams:
             raise LlmoptError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise LlmoptError(f"logprobs must be between 0 and 20, got {self.logprobs}")
+        if self.prompt_logprobs is not None and (isinstance(self.prompt_logprobs, bool)
+                                                 or not 0 <= self.prompt_logprobs <= 20):
+            raise LlmoptError(f"prompt_logprobs must be between 0 and 20, got {self.prompt_logprobs}")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise LlmoptError("structured_outputs must be a StructuredOutputsParams")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if self.stop is not None:

@@ -39,6 +39,10 @@ class Sequence:
     generator: torch.Generator | None = None
     detokenizer: Any = None
     logprobs: list[dict[int, float]] = field(default_factory=list)
+    # with params.prompt_logprobs: one entry per prompt position scored so far (the first is None)
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    # with params.structured_outputs: the llguidance matcher, advanced by every appended token
+    matcher: Any = None
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: str | int | None = None  # the stop string or stop token that ended it
     num_preemptions: int = 0
@@ -49,6 +53,13 @@ class Sequence:
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
+        if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = [None]
+
+    @property
+    def needs_prompt_scores(self) -> bool:
+        """Some prompt position still lacks its logprob (such a prefill skips the prefix cache)."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -116,7 +116,7 @@ def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        body = await _parse(request, ChatCompletionRequest, config)
+        body = _checked(await _parse(request, ChatCompletionRequest, config))
         _check_model(body.model, config)
         prompt_ids, prompt_text = _tokenize_chat(body)
         max_tokens = body.max_completion_tokens or body.max_tokens
@@ -138,33 +138,48 @@ def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        body = await _parse(request, CompletionRequest, config)
+        body = _checked(await _parse(request, CompletionRequest, config))
         _check_model(body.model, config)
-        if body.suffix:
-            raise RequestError("suffix is not supported", param="suffix")
-        if body.echo and body.logprobs is not None:
-            raise RequestError("echo together with logprobs is not supported", param="echo")
         jobs: list[_Job] = []
+        max_tokens = 16 if body.max_tokens is None else body.max_tokens  # OpenAI's default
         for p_index, prompt in enumerate(body.prompts()):
             text, ids = _tokenize_prompt(prompt)
             for k in range(body.n):
-                jobs.append(_Job(p_index * body.n + k, ids, text, _max_tokens(body.max_tokens or 16, len(ids))))
-        _start(jobs, body, body.logprobs)
+                jobs.append(_Job(p_index * body.n + k, ids, text, _max_tokens(max_tokens, len(ids))))
+        _start(jobs, body, body.logprobs, body.prompt_logprobs_wanted)
         created, rid = int(time.time()), f"cmpl-{secrets.token_hex(12)}"
         if body.stream:
             return _sse(_completion_stream(jobs, body, created, rid))
         finals = await _collect(jobs)
         choices = []
         for job in jobs:
-            c = finals[job.index].outputs[0]
-            prefix = (job.prompt_text or tokenizer.decode(job.prompt_ids)) if body.echo else ""
-            choices.append({"index": job.index, "text": prefix + c.text,
-                            "logprobs": _completion_logprobs(c.token_ids, c.logprobs) if body.logprobs is not None else None,
-                            "finish_reason": _finish(c.finish_reason)})
+            out = finals[job.index]
+            c = out.outputs[0]
+            choice = {"index": job.index, "text": (_echo_text(job) if body.echo else "") + c.text,
+                      "logprobs": None, "finish_reason": _finish(c.finish_reason)}
+            if body.logprobs is not None:
+                prompt = (job.prompt_ids, out.prompt_logprobs) if body.echo else None
+                choice["logprobs"] = _completion_logprobs(c.token_ids, c.logprobs, body.logprobs, prompt)
+            if body.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = _vllm_prompt_logprobs(job.prompt_ids, out.prompt_logprobs,
+                                                                  body.prompt_logprobs)
+            choices.append(choice)
         return {"id": rid, "object": "text_completion", "created": created, "model": config.served_model_name,
                 "choices": choices, "usage": _usage(jobs, finals)}
 
     # ---- helpers ------------------------------------------------------------------------
+    warned_fields: set[str] = set()
+
+    def _checked(body):
+        """Refuse known fields llmopt cannot honour; name each ignored field in one warning per name."""
+        body.check_supported()
+        for name in body.ignored_fields():
+            if name not in warned_fields:
+                warned_fields.add(name)
+                logger.warning("ignoring request field %r: llmopt serve does not use it (logged once per name)",
+                               name)
+        return body
+
     def _tokenize_chat(body: ChatCompletionRequest) -> tuple[list[int], str]:
         try:
             text = tokenizer.apply_chat_template(body.chat_messages(), add_generation_prompt=True)
@@ -184,20 +199,25 @@ def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
                                param="messages", code="context_length_exceeded")
         return requested if requested is not None else max_model_len - prompt_len
 
-    def _start(jobs: list[_Job], body, logprobs: int | None) -> None:
+    def _start(jobs: list[_Job], body, logprobs: int | None, prompt_logprobs: int | None = None) -> None:
         if engine.stats().num_requests_waiting >= config.max_queue:
             raise RequestError("the server is at capacity; retry shortly", 503, type_="server_busy")
         started: list[str] = []
+        params = None
         try:
             for job in jobs:
-                params = body.sampling_params(job.max_tokens, logprobs, job.index)
+                params = body.sampling_params(job.max_tokens, logprobs, job.index, prompt_logprobs)
                 job.request_id = engine.add_request({"prompt_token_ids": job.prompt_ids, "prompt": job.prompt_text},
                                                     params)
                 started.append(job.request_id)
         except LlmoptError as exc:
             for request_id in started:
                 engine.abort(request_id)
-            raise RequestError(str(exc), param="max_tokens" if "max_tokens" in str(exc) else None) from None
+            if params is not None and params.structured_outputs is not None and str(exc).startswith("invalid "):
+                param = "structured_outputs" if body.structured_outputs is not None else "response_format"
+            else:
+                param = "max_tokens" if "max_tokens" in str(exc) else None
+            raise RequestError(str(exc), param=param) from None
         except RequestError:
             for request_id in started:
                 engine.abort(request_id)
@@ -253,9 +273,12 @@ def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
         return finals
 
     async def _stream(jobs: list[_Job], body, created: int, rid: str, object_name: str,
-                      intro: list[dict[str, Any]], choice) -> AsyncIterator[str]:
-        """SSE chunks: `intro` choices first, then `choice(job, completion, logprobs, finish_reason)` for each
-        output with new text or a finish, an optional usage chunk, and [DONE]."""
+                      intro: list[dict[str, Any]], choice, opening=None) -> AsyncIterator[str]:
+        """SSE chunks: `intro` choices first, `opening(job, first_output)` before a choice's first output,
+        then `choice(job, completion, logprobs, finish_reason)` for each output with new text or a
+        finish, an optional usage chunk, and [DONE]."""
+        opened: set[int] = set()
+        sent: dict[int, int] = {}  # tokens of each choice already sent
 
         def chunk(choices, usage=None) -> str:
             doc = {"id": rid, "object": object_name, "created": created, "model": config.served_model_name,
@@ -269,9 +292,16 @@ def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
         finals: dict[int, RequestOutput] = {}
         async with contextlib.aclosing(_outputs(jobs)) as stream:
             async for job, out in stream:
+                if job.index not in opened and opening is not None:  # the first output of this choice
+                    opened.add(job.index)
+                    yield chunk([opening(job, out)])
                 c = out.outputs[0]
                 if c.new_text or out.finished:
-                    fresh = c.logprobs[-len(c.new_token_ids):] if c.logprobs and c.new_token_ids else None
+                    # every token since the last chunk: one whose text was held back (part of a UTF-8
+                    # character) has its logprob sent with the chunk that carries its text
+                    done = sent.get(job.index, 0)
+                    sent[job.index] = len(c.token_ids)
+                    fresh = (c.token_ids[done:], c.logprobs[done:]) if c.logprobs else None
                     yield chunk([choice(job, c, fresh, _finish(c.finish_reason) if out.finished else None)])
                 if out.finished:
                     finals[job.index] = out
@@ -284,21 +314,34 @@ def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
                   "finish_reason": None} for j in jobs]
 
         def choice(job, c, fresh, finish):
-            lp = _chat_logprobs(c.new_token_ids, fresh, body.top_logprobs or 0) if body.logprobs and fresh else None
+            lp = _chat_logprobs(*fresh, body.top_logprobs or 0) if body.logprobs and fresh else None
             return {"index": job.index, "delta": {"content": c.new_text} if c.new_text else {}, "logprobs": lp,
                     "finish_reason": finish}
 
         return _stream(jobs, body, created, rid, "chat.completion.chunk", intro, choice)
 
     def _completion_stream(jobs, body: CompletionRequest, created: int, rid: str) -> AsyncIterator[str]:
-        intro = [{"index": j.index, "text": j.prompt_text or tokenizer.decode(j.prompt_ids), "logprobs": None,
-                  "finish_reason": None} for j in jobs] if body.echo else []
+        scored = body.prompt_logprobs_wanted is not None and (body.logprobs is not None
+                                                              or body.prompt_logprobs is not None)
+        # the echoed prompt comes first; with its logprobs it waits for the prefill that computes them
+        intro = [{"index": j.index, "text": _echo_text(j), "logprobs": None, "finish_reason": None}
+                 for j in jobs] if body.echo and not scored else []
+
+        def opening(job, out):
+            first = {"index": job.index, "text": _echo_text(job) if body.echo else "", "logprobs": None,
+                     "finish_reason": None}
+            if body.echo and body.logprobs is not None:
+                first["logprobs"] = _completion_logprobs([], [], body.logprobs, (job.prompt_ids, out.prompt_logprobs))
+            if body.prompt_logprobs is not None:
+                first["prompt_logprobs"] = _vllm_prompt_logprobs(job.prompt_ids, out.prompt_logprobs,
+                                                                 body.prompt_logprobs)
+            return first
 
         def choice(job, c, fresh, finish):
-            lp = _completion_logprobs(c.new_token_ids, fresh) if body.logprobs is not None and fresh else None
+            lp = _completion_logprobs(*fresh, body.logprobs) if body.logprobs is not None and fresh else None
             return {"index": job.index, "text": c.new_text, "logprobs": lp, "finish_reason": finish}
 
-        return _stream(jobs, body, created, rid, "text_completion", intro, choice)
+        return _stream(jobs, body, created, rid, "text_completion", intro, choice, opening if scored else None)
 
     def _token_text(token_id: int) -> str:
         return tokenizer.decode([token_id], skip_special_tokens=False)
@@ -314,16 +357,43 @@ def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
                                               "bytes": list(_token_text(t).encode())} for t, v in top]})
         return {"content": content}
 
-    def _completion_logprobs(token_ids: list[int], logprobs: list[dict[int, float]] | None) -> dict[str, Any]:
+    def _echo_text(job: _Job) -> str:
+        return job.prompt_text if job.prompt_text is not None else tokenizer.decode(job.prompt_ids)
+
+    def _completion_logprobs(token_ids: list[int], logprobs: list[dict[int, float]] | None, top_n: int,
+                             prompt: tuple[list[int], list[dict[int, float] | None] | None] | None = None,
+                             ) -> dict[str, Any]:
+        """OpenAI's legacy logprobs object; with `prompt` (echo): its (token ids, prompt logprobs) first,
+        the first position's logprob and alternatives null, as OpenAI and vLLM give them."""
+        pairs = list(zip(*prompt)) if prompt is not None else []
+        pairs += list(zip(token_ids, logprobs or []))
         tokens, token_lps, tops, offsets, offset = [], [], [], [], 0
-        for tid, lp in zip(token_ids, logprobs or []):
+        for tid, lp in pairs:
             text = _token_text(tid)
             tokens.append(text)
-            token_lps.append(lp[tid])
-            tops.append({_token_text(t): v for t, v in lp.items()})
+            token_lps.append(None if lp is None else lp[tid])
+            # the runtime gives the token plus the top N: report the N most likely (plus the token)
+            top = None if lp is None else dict(sorted(lp.items(), key=lambda kv: -kv[1])[:top_n])
+            if top is not None:
+                top.setdefault(tid, lp[tid])
+            tops.append(None if top is None else {_token_text(t): v for t, v in top.items()})
             offsets.append(offset)
             offset += len(text)
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+    def _vllm_prompt_logprobs(prompt_ids: list[int], scores: list[dict[int, float] | None] | None,
+                              top_n: int) -> list[dict[str, dict[str, Any]] | None]:
+        """vLLM's `prompt_logprobs`: per prompt position None (the first) or {token id: {logprob,
+        decoded_token}} for the prompt token and the top N."""
+        result: list[dict[str, dict[str, Any]] | None] = []
+        for tid, lp in zip(prompt_ids, scores or []):
+            if lp is None:
+                result.append(None)
+                continue
+            top = dict(sorted(lp.items(), key=lambda kv: -kv[1])[:top_n])
+            top.setdefault(tid, lp[tid])
+            result.append({str(t): {"logprob": v, "decoded_token": _token_text(t)} for t, v in top.items()})
+        return result
 
     return app
 

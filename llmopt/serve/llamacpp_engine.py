@@ -60,8 +60,10 @@ class LlamaCppEngine(EngineFrontend):
     # ---- AsyncLLM's surface ------------------------------------------------------------
     def add_request(self, prompt: PromptType, params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
-        if params is not None and params.logprobs is not None:
+        if params is not None and (params.logprobs is not None or params.prompt_logprobs is not None):
             raise LlmoptError("logprobs are not supported by the llama.cpp engine")
+        if params is not None and params.structured_outputs is not None:
+            raise LlmoptError("structured outputs (response_format) are not supported by the llama.cpp engine")
         with self._cv:
             seq = self.new_sequence(prompt, params, request_id)
             self.requests[seq.request_id] = seq

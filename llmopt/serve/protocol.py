@@ -1,21 +1,41 @@
-"""OpenAI request schemas: what we read from a request, validated; unknown fields ignored."""
+"""OpenAI request schemas: what we read from a request, validated.
+
+Unknown fields are accepted (clients send many) and reported by `ignored_fields` so the app
+can log each name once; a known OpenAI field llmopt cannot honour (`tools`, `logit_bias`,
+`suffix`, ...) is refused by `check_supported` rather than dropped.
+"""
 
 from __future__ import annotations
 
-from typing import Any, Literal, Union
+from typing import Any, ClassVar, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from llmopt.errors import LlmoptError
 from llmopt.runtime import SamplingParams
+from llmopt.runtime.structured_outputs import StructuredOutputsParams
 
 MAX_N = 8
 ROLES = {"system", "user", "assistant", "tool", "developer"}
 
 
+# Known OpenAI / vLLM request fields llmopt cannot honour, refused when set to anything but
+# these harmless values (a client that sends `"tools": []` or `"logit_bias": null` asked for nothing)
+UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
+    "tools": (None, []), "functions": (None, []), "function_call": (None, "none", "auto"),
+    "tool_choice": (None, "none", "auto"), "logit_bias": (None, {}), "suffix": (None, ""), "best_of": (None, 1),
+    "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,), "web_search_options": (None,),
+    "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
+}
+WHAT_INSTEAD = {name: "use response_format or structured_outputs" for name in UNSUPPORTED_FIELDS
+                if name.startswith("guided_")}
+
+
 class _Request(BaseModel):
-    # OpenAI clients send fields we do not use (user, metadata, ...): accept and ignore them
-    model_config = ConfigDict(extra="ignore")
+    # OpenAI clients send fields we do not use (user, metadata, ...): accept them (`ignored_fields`
+    # names them for a warning); the known ones we cannot honour are refused (`check_supported`)
+    model_config = ConfigDict(extra="allow")
+    refused: ClassVar[tuple[str, ...]] = tuple(UNSUPPORTED_FIELDS)
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
@@ -43,11 +63,58 @@ class _Request(BaseModel):
             raise ValueError("stop strings must not be empty")
         return value
 
+    # OpenAI's response_format, and vLLM's structured_outputs extra parameter (json, json_object,
+    # regex, choice, grammar)
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+
     @property
     def include_usage(self) -> bool:
         return bool((self.stream_options or {}).get("include_usage"))
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None, index: int) -> SamplingParams:
+    def ignored_fields(self) -> list[str]:
+        """The request's fields llmopt does not read."""
+        return sorted(self.model_extra or {})
+
+    def check_supported(self) -> None:
+        """Refuse a known field set to something llmopt cannot do (RequestError naming it)."""
+        for name, value in (self.model_extra or {}).items():
+            if name in self.refused and value not in UNSUPPORTED_FIELDS.get(name, (None, False)):
+                hint = WHAT_INSTEAD.get(name, "llmopt serve does not implement it")
+                raise RequestError(f"{name} is not supported ({hint})", param=name)
+
+    def structured(self) -> StructuredOutputsParams | None:
+        """The output constraint asked for, or None; RequestError if it is malformed."""
+        if self.structured_outputs is not None and self.response_format is not None:
+            raise RequestError("give response_format or structured_outputs, not both", param="response_format")
+        if self.structured_outputs is not None:
+            fields = {"json", "json_object", "regex", "choice", "grammar"}
+            unknown = sorted(set(self.structured_outputs) - fields)
+            if unknown:
+                raise RequestError(f"structured_outputs.{unknown[0]} is not supported; use one of "
+                                   f"{', '.join(sorted(fields))}", param="structured_outputs")
+            try:
+                return StructuredOutputsParams(**self.structured_outputs, strict=False)
+            except LlmoptError as exc:
+                raise RequestError(str(exc), param="structured_outputs") from None
+        fmt = self.response_format
+        if fmt is None or fmt.get("type", "text") == "text":
+            return None
+        if fmt.get("type") == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        if fmt.get("type") == "json_schema":
+            spec = fmt.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+                raise RequestError("response_format.json_schema must be an object with a 'schema' object",
+                                   param="response_format")
+            # OpenAI: a json_schema without a schema is any JSON object
+            return StructuredOutputsParams(json=spec.get("schema") or {"type": "object"},
+                                           strict=bool(spec.get("strict", False)))
+        raise RequestError(f"response_format type {fmt.get('type')!r} is not supported; use text, json_object "
+                           "or json_schema", param="response_format")
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None, index: int,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
         # n > 1 draws independent samples: with a seed, sample i uses seed + i
         seed = None if self.seed is None else self.seed + index
         try:
@@ -56,6 +123,7 @@ class _Request(BaseModel):
                 min_p=self.min_p, seed=seed, stop=self.stop, presence_penalty=self.presence_penalty,
                 frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
                 min_tokens=min(self.min_tokens, max_tokens), ignore_eos=self.ignore_eos, logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs, structured_outputs=self.structured(),
             )
         except LlmoptError as exc:
             raise RequestError(str(exc)) from None
@@ -92,19 +160,29 @@ class ChatCompletionRequest(_Request):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    response_format: dict[str, Any] | None = None
+    # vLLM scores chat prompts too; llmopt only on /v1/completions
+    refused: ClassVar[tuple[str, ...]] = (*UNSUPPORTED_FIELDS, "prompt_logprobs", "echo")
 
     def chat_messages(self) -> list[dict[str, str]]:
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise RequestError("response_format other than 'text' is not supported yet", param="response_format")
         return [{"role": m.role, "content": m.text()} for m in self.messages]
 
 
 class CompletionRequest(_Request):
     prompt: Union[str, list[str], list[int], list[list[int]]]
+    # 0 is allowed here: with echo (or prompt_logprobs) it scores the prompt alone
+    max_tokens: int | None = Field(default=None, ge=0)
     echo: bool = False
-    logprobs: int | None = Field(default=None, ge=0, le=5)
-    suffix: str | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=20)  # vLLM's extra parameter
+
+    @property
+    def prompt_logprobs_wanted(self) -> int | None:
+        """How many top alternatives each prompt position needs, or None: echo + logprobs (OpenAI),
+        prompt_logprobs (vLLM), or 0 when max_tokens is 0 (the request is only a prefill)."""
+        wanted = [n for n in (self.logprobs if self.echo else None, self.prompt_logprobs) if n is not None]
+        if wanted:
+            return max(wanted)
+        return 0 if self.max_tokens == 0 else None
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
