@@ -24,18 +24,17 @@ How each default bound was chosen, so that the shipped data can resolve it (a ga
 resolved when its 95% CI lies wholly on one side of the bound; the CI half-widths below
 are from the reports in docs/benchmarks.md, AWQ and RTN w4 g64 vs the fp32 default model):
 
-- `ppl:+25%`: at ~4,000 scored tokens the CI of the relative perplexity change is about
-  ±2 points (a little wider with the block bootstrap), so every candidate outside roughly
-  +22%..+28% gets a verdict. AWQ (+12%) passes, RTN with one scale per row (+73%) fails;
-  plain RTN g64 (+23%) is about that close to the bound and may come out inconclusive,
-  which is the honest answer.
-- `kld.mean:0.25`: the CI is about ±0.01 nats at ~4,000 tokens: AWQ (0.13) passes, plain
-  RTN (0.29) fails, a model with one scale per row (0.66) fails by far.
+- `ppl:+25%`: at 4,080 scored tokens the block-bootstrap CI of the relative perplexity
+  change is about ±3.4 points (RTN: [+20.5%, +27.2%]), so a candidate gets a verdict unless
+  it lies within ~3.4 points of the bound. AWQ (+12%) passes, RTN with one scale per row
+  (+73%) fails; plain RTN g64 (+23.8%) comes out inconclusive, which is the honest answer.
+- `kld.mean:0.25`: the CI is about ±0.015 nats at 4,080 tokens: AWQ (~0.13, issue 5's windows) passes, plain
+  RTN g64 (0.299, CI [0.285, 0.314]) fails significantly, one scale per row (0.66) by far.
 - `mmlu.acc:-3.0` on all 1,140 bundled questions: the paired CI half-width is 0.6 (RTN)
-  to 2.0 points (AWQ, more answers flipped both ways), below the 3-point bound, so an
-  unharmed candidate passes. On the 285 questions of 5 per subject (the old default) it
-  was ±3.2 points: the bound could not be resolved, hence all 1,140 (~3.5 min per model
-  on 2 CPU cores; the baseline's answers are cached). On this 135M model MMLU sits at
+  to 2.0 points (AWQ, more answers flipped both ways; RTN g64 measured [-0.70, +0.61]),
+  below the 3-point bound, so an unharmed candidate passes. On the 285 questions of 5 per
+  subject (the old default) it was ±3.2 points: the bound could not be resolved, hence
+  all 1,140 (~3.5 min per model on 2 idle CPU cores; the baseline's answers are cached). On this 135M model MMLU sits at
   chance, so the gate only bites for larger models.
 - `humaneval.pass@1:-6.0` (when HumanEval runs, 164 problems): the half-width is about
   1.96 sqrt(f / 164) for a fraction f of problems whose verdict flips: 4.8 points at
