@@ -41,8 +41,7 @@ def main() -> None:
     ap.add_argument("--mmlu", default="../shared/data/mmlu/test.jsonl.gz")
     ap.add_argument("--offset", type=int, default=10000)
     ap.add_argument("--tokens", type=int, default=8192)
-    ap.add_argument("--context", type=int, default=512)
-    ap.add_argument("--stride", type=int, default=256)
+    ap.add_argument("--ctx-size", type=int, default=512, help="llama.cpp's: non-overlapping chunks, second half scored")
     args = ap.parse_args()
     base = load(args.base)
     ids = torch.tensor(base.tokenizer.encode(heldout_text(args.mmlu, args.offset, args.tokens * 8), add_special_tokens=False)[: args.tokens])
@@ -50,8 +49,9 @@ def main() -> None:
     for cand_spec in args.cand:
         t0 = time.perf_counter()
         cand = load(cand_spec)
-        r = kl_divergence(base.model, cand.model, ids, args.context, args.stride)
-        rows.append({"candidate": cand_spec, **{k: round(v, 5) if isinstance(v, float) else v for k, v in r.to_dict().items()},
+        r = kl_divergence(base.model, cand.model, ids, args.ctx_size)
+        rows.append({"candidate": cand_spec, **{k: round(v, 5) if isinstance(v, float) else v for k, v in r.to_dict().items()
+                                                if k != "delta_p"},
                      "seconds": round(time.perf_counter() - t0, 1)})
         print(json.dumps(rows[-1]), flush=True)
     print(f"\n{'candidate':40} {'ppl_base':>9} {'ppl':>9} {'KLD mean':>9} {'KLD p99':>9} {'same top':>9}")

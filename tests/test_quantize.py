@@ -156,7 +156,7 @@ def test_loaded_weights_equal_the_quantizers_weights(tiny_models, calib_file, tm
 def kld_to_base(tiny_models, out: Path) -> float:
     base = load(str(tiny_models["llama"]))
     ids = torch.tensor(base.tokenizer.encode(TEXT[:1500], add_special_tokens=False))
-    return kl_divergence(base.model, load(str(out)).model, ids, context=64, stride=32).mean
+    return kl_divergence(base.model, load(str(out)).model, ids, ctx_size=64).mean  # llama.cpp's windowing
 
 
 def test_calibrated_methods_beat_round_to_nearest(tiny_models, quantized):

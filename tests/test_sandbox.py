@@ -255,3 +255,94 @@ def test_bad_limits_are_user_errors():
 def test_exec_result_passed_flag():
     assert ExecResult("passed", "", 0.1).passed
     assert not ExecResult("timeout", "x", 1.0).passed
+
+
+# ---------------------------------------------------------------------------- the four bypasses of issue 16
+
+
+def test_bypass_raw_socket_module_is_closed():
+    """`_socket.socket` (the C type under `socket.socket`) and a saved reference to it reach no network."""
+    import socket as host_socket
+
+    with host_socket.socket() as server:  # a listener on this machine the program would like to reach
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        server.settimeout(0.5)
+        port = server.getsockname()[1]
+        for attack in (
+            f"import _socket\ns = _socket.socket()\ns.connect(('127.0.0.1', {port}))\n",
+            f"import socket\nsocket.SocketType().connect(('127.0.0.1', {port}))\n",
+            # the original class, recovered from the guard's own subclass: the audit hook still refuses it
+            f"import socket\nreal = socket.socket.__mro__[1]\nreal().connect(('127.0.0.1', {port}))\n",
+        ):
+            result = run_program(attack, 5, MEMORY_MB)
+            assert result.status == "failed" and "PermissionError" in result.detail and "disabled" in result.detail, attack
+            with pytest.raises(TimeoutError):
+                server.accept()[0].close()  # nothing connected
+
+
+@pytest.mark.parametrize("write", [
+    "import io\nio.FileIO(TARGET, 'w').write(b'pwned')",
+    "import _io\n_io.FileIO(TARGET, 'w').write(b'pwned')",
+    "import _io\n_io.open(TARGET, 'w').write('pwned')",
+    "import _io\n_io.FileIO.__mro__[1](TARGET, 'w').write(b'pwned')",  # the real type behind the guard's subclass
+    "import os\ntype(open(os.devnull, 'rb').raw)(TARGET, 'wb').write(b'pwned')",  # the real type of an open file
+])
+def test_bypass_file_io_writes_nothing_outside(write, tmp_path):
+    target = tmp_path / "pwned.txt"
+    result = run_program(f"TARGET = {str(target)!r}\n{write}\n", 5, MEMORY_MB)
+    assert result.status == "failed" and "PermissionError" in result.detail, result
+    assert not target.exists()
+
+
+@pytest.mark.parametrize("move", [
+    "os.rename('inside.txt', 'pwned.txt', dst_dir_fd=fd)",
+    "os.replace('inside.txt', 'pwned.txt', dst_dir_fd=fd)",
+    "os.link('inside.txt', 'pwned.txt', dst_dir_fd=fd)",
+    "os.symlink('inside.txt', 'pwned.txt', dir_fd=fd)",
+    "os.rename(src='inside.txt', dst=OUTSIDE + '/pwned.txt')",  # paths given by keyword
+    # the unguarded function, recovered from the guard's closure: the audit hook still sees the dir fd
+    "real = [c.cell_contents for c in os.rename.__closure__ if getattr(c.cell_contents, '__name__', '') == 'rename']"
+    "[0]\nreal('inside.txt', 'pwned.txt', dst_dir_fd=fd)",
+])
+def test_bypass_dst_dir_fd_cannot_escape(move, tmp_path):
+    program = (f"import os\nOUTSIDE = {str(tmp_path)!r}\nopen('inside.txt', 'w').write('x')\n"
+               f"fd = os.open(OUTSIDE, os.O_RDONLY)\n{move}\n")
+    result = run_program(program, 5, MEMORY_MB)
+    assert result.status == "failed" and "PermissionError" in result.detail, result
+    assert not (tmp_path / "pwned.txt").exists() and not (tmp_path / "pwned.txt").is_symlink()
+
+
+@pytest.mark.parametrize("kill", [
+    "import os, signal\nsignal.pidfd_send_signal(os.pidfd_open(VICTIM), signal.SIGKILL)",
+    "import os, _signal\n_signal.pidfd_send_signal(os.open(f'/proc/{VICTIM}', os.O_RDONLY), 9)",  # a /proc dir fd
+    "import posix, signal\nsignal.pidfd_send_signal(posix.pidfd_open(VICTIM), signal.SIGKILL)",
+])
+def test_bypass_pidfd_signals_reach_no_process(kill):
+    import subprocess
+
+    victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        result = run_program(f"VICTIM = {victim.pid}\n{kill}\n", 5, MEMORY_MB)
+        assert result.status == "failed" and "PermissionError" in result.detail, result
+        time.sleep(0.2)
+        assert victim.poll() is None  # still alive
+    finally:
+        victim.kill()
+        victim.wait()
+
+
+def test_child_runs_in_its_own_network_namespace_where_the_machine_allows():
+    prefix = sandbox.network_namespace()
+    if not prefix:
+        pytest.skip("no network namespace here (unshare -n / -rn refused): the sandbox falls back to its guards")
+    ours = os.readlink("/proc/self/ns/net")
+    program = f"import os\nassert os.readlink('/proc/self/ns/net') != {ours!r}\n"
+    assert run_program(program, 5, MEMORY_MB).status == "passed"
+
+
+def test_without_a_network_namespace_programs_still_run(monkeypatch):
+    monkeypatch.setattr(sandbox, "network_namespace", lambda: ())
+    ours = os.readlink("/proc/self/ns/net")
+    program = f"import os\nassert os.readlink('/proc/self/ns/net') == {ours!r}\n"
+    assert run_program(program, 5, MEMORY_MB).status == "passed"

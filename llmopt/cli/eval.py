@@ -1,6 +1,7 @@
 """`llmopt eval`: perplexity, KL divergence, MMLU and HumanEval, with quality gates that decide CI.
 
-Exit codes: 0 = every gate passed (or there were none), 1 = a gate failed, 2 = bad input.
+Exit codes: 0 = no gate failed significantly (inconclusive ones are reported; `--strict`
+makes them fail too), 1 = a gate failed (its whole 95% CI beyond the bound), 2 = bad input.
 """
 
 from __future__ import annotations
@@ -47,16 +48,22 @@ def eval_command(
     log_samples: bool = typer.Option(False, "--log-samples", help="Per-sample JSONL beside --output."),
     text: str | None = typer.Option(None, "--text", help="ppl/kld text: 'bundled' (MMLU subset as text), a .txt/.jsonl "
                                     "file, or hf:NAME[:CONFIG][:SPLIT] e.g. hf:wikitext:wikitext-2-raw-v1."),
-    ppl_context: int | None = typer.Option(None, "--ppl-context", help="Window length for ppl/kld (default: 512)."),
-    ppl_stride: int | None = typer.Option(None, "--ppl-stride", help="Window stride for ppl/kld (default: 256)."),
-    max_tokens_scored: int | None = typer.Option(None, "--max-tokens-scored", help="Cap on scored text tokens (default: 4096)."),
+    ctx_size: int | None = typer.Option(None, "--ctx-size", "-c", help="ppl/kld chunk length, as llama.cpp's "
+                                        "llama-perplexity: non-overlapping chunks, second half scored (default: 512)."),
+    chunks: str | None = typer.Option(None, "--chunks", help="ppl/kld: at most this many chunks, or 'all' "
+                                      "(default: 16, 4,080 scored tokens at --ctx-size 512)."),
     mmlu_path: str | None = typer.Option(None, "--mmlu-path", help="MMLU in the cais schema: a local file, or "
                                          "hf:cais/mmlu (default: the bundled subset)."),
     num_fewshot: int | None = typer.Option(None, "--num-fewshot", help="MMLU examples from the dev split (default: 0)."),
     humaneval_mode: str | None = typer.Option(None, "--humaneval-mode", help="completion or chat (default: completion)."),
     humaneval_samples: int | None = typer.Option(None, "--humaneval-samples", help="Samples per problem; 1 = greedy (default: 1)."),
     temperature: float | None = typer.Option(None, "--temperature", help="HumanEval sampling when samples > 1 (default: 0.8)."),
-    seed: int | None = typer.Option(None, "--seed", help="HumanEval sample i uses seed + i (default: 0)."),
+    seed: int | None = typer.Option(None, "--seed", help="Seed of the bootstrap; HumanEval sample i uses seed + i "
+                                    "(default: 0)."),
+    bootstrap_samples: int | None = typer.Option(None, "--bootstrap-samples", help="Bootstrap resamples per "
+                                                 "confidence interval (default: 1000)."),
+    strict: bool | None = typer.Option(None, "--strict/--no-strict", help="Exit 1 on inconclusive gates too (CI "
+                                       "straddling the bound, or too few items); default: only significant failures."),
     pass_k: str | None = typer.Option(None, "--pass-k", help="k values for pass@k, e.g. 1,10 (default: 1)."),
     humaneval_max_tokens: int | None = typer.Option(None, "--humaneval-max-tokens", help="Tokens per completion (default: 384)."),
     timeout: float | None = typer.Option(None, "--timeout", help="Sandbox wall time per program, seconds (default: 5)."),
@@ -73,16 +80,26 @@ def eval_command(
     dtype: str = DTYPE,
     device: str = DEVICE,
 ) -> None:
-    """Score MODEL (and --baseline) on ppl/kld/mmlu/humaneval and judge quality gates: exit 1 if one fails."""
+    """Score MODEL (and --baseline) on ppl/kld/mmlu/humaneval and judge quality gates: exit 1 if one fails
+    significantly (with --strict, also if one is inconclusive)."""
     from llmopt.eval.recipe import load_recipe, resolve_settings
-    from llmopt.eval.report import build_document, render_table, samples_path, summary_lines, write_json, write_samples
+    from llmopt.eval.report import (
+        build_document,
+        kld_summary_lines,
+        render_table,
+        samples_path,
+        summary_lines,
+        write_json,
+        write_samples,
+    )
     from llmopt.eval.run import EvalRequest, run_eval
     from llmopt.eval.tasks import RunOptions
 
     if log_samples and output is None:
         raise LlmoptError("--log-samples writes its JSONL beside the report: give --output FILE too")
-    flags = {"tasks": tasks, "limit": limit, "gates": gate, "text": text, "ppl_context": ppl_context,
-             "ppl_stride": ppl_stride, "max_tokens_scored": max_tokens_scored, "mmlu_path": mmlu_path,
+    flags = {"tasks": tasks, "limit": limit, "gates": gate, "text": text, "ctx_size": ctx_size,
+             "chunks": _chunks(chunks), "bootstrap_samples": bootstrap_samples,
+             "strict": strict, "mmlu_path": mmlu_path,
              "num_fewshot": num_fewshot, "humaneval_mode": humaneval_mode, "humaneval_samples": humaneval_samples,
              "temperature": temperature, "seed": seed, "pass_k": pass_k, "humaneval_max_tokens": humaneval_max_tokens,
              "timeout": timeout}
@@ -101,9 +118,21 @@ def eval_command(
         write_json(doc, output)
     screen = err_console if json_output else console
     screen.print(render_table(doc))
+    for line in kld_summary_lines(doc):
+        screen.print(line, highlight=False, markup=False)
     for line in summary_lines(doc):
         screen.print(line, highlight=False, markup=False)
     if json_output:
         print_json(doc)
     if report.exit_code:
         raise typer.Exit(EXIT_GATE_FAILED)
+
+
+def _chunks(value: str | None) -> int | str | None:
+    """--chunks N or 'all' (checked with the other settings)."""
+    if value is None or value.strip().lower() == "all":
+        return value and "all"
+    try:
+        return int(value)
+    except ValueError:
+        raise LlmoptError(f"--chunks must be a whole number or 'all', got {value!r}") from None

@@ -10,8 +10,9 @@ compute changes). A key never says *which* inputs changed; a miss simply recompu
 Two kinds of entry, both written atomically (a reader sees a whole entry or none):
 - `<key>.json`: per-item results (MMLU log-likelihoods, HumanEval samples and verdicts).
 - `<key>/`: a folder of .npy arrays plus meta.json (perplexity/KLD: per-token NLL, and for
-  KLD the baseline's full-vocabulary log-probabilities as float16, rows x vocab x 2 bytes:
-  4096 scored tokens x 49152 = 403 MB for the default model).
+  KLD the baseline's float16 final hidden states, hidden_size x 2 bytes per scored token,
+  and its dense float16 vocabulary projection: 59 MiB for the default model at 4,080
+  tokens; see kld.py).
 
 Nothing evicts entries; delete the folder to reclaim the space (`--no-cache` skips it).
 """
@@ -32,7 +33,7 @@ from llmopt.core.embedded import cache_root
 from llmopt.core.source import ModelSource
 from llmopt.kernels.cpu_extension import kernels_identity
 
-CACHE_VERSION = 2  # 2: the C++ CPU kernels (skinny matmul, fused ops) changed fp32 rounding
+CACHE_VERSION = 3  # 2: the C++ CPU kernels changed fp32 rounding; 3: llama.cpp windowing, hidden-state KLD store
 
 
 def cache_dir() -> Path:

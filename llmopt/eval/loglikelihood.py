@@ -96,21 +96,30 @@ def plan_jobs(tokenizer, pairs: Sequence[tuple[str, str]], max_length: int) -> t
             jobs.append(_Job(ids, [(i, len(ids) - 1, encoded[i][1][0]) for i in members]))
             continue
         all_fast = False
-        for i in members:
-            cont = encoded[i][1]
-            full = (list(ctx) + cont)[-(max_length + 1):]  # left-truncate like lm-eval
-            ids = full[:-1]
-            first = len(ids) - len(cont)
-            jobs.append(_Job(ids, [(i, first + j, t) for j, t in enumerate(cont)]))
+        jobs += [_token_job(i, list(ctx), encoded[i][1], max_length) for i in members]
     return jobs, all_fast
+
+
+def _token_job(pair: int, ctx: list[int], cont: list[int], max_length: int) -> _Job:
+    """`(ctx + cont)[:-1]`, left-truncated like lm-eval, scoring every continuation token."""
+    ids = (ctx + cont)[-(max_length + 1):][:-1]
+    first = len(ids) - len(cont)
+    return _Job(ids, [(pair, first + j, t) for j, t in enumerate(cont)])
+
+
+def token_jobs(pairs: Sequence[tuple[list[int], list[int]]], max_length: int) -> list[_Job]:
+    """Jobs for pairs already tokenized (lm-eval's rolling windows): (context ids, continuation ids)."""
+    return [_token_job(i, list(ctx), list(cont), max_length) for i, (ctx, cont) in enumerate(pairs)]
 
 
 @torch.inference_mode()
 def run_jobs(model, jobs: list[_Job], num_pairs: int, batch_tokens: int = DEFAULT_BATCH_TOKENS,
-             on_progress: Callable[[int], None] | None = None) -> list[float]:
-    """Sum of target log-probs per pair; jobs are packed longest first into forwards of <= batch_tokens."""
+             on_progress: Callable[[int], None] | None = None) -> tuple[list[float], list[bool]]:
+    """Per pair: the sum of its target log-probs, and whether every target was the most likely token
+    (lm-eval's `is_greedy`). Jobs are packed longest first into forwards of <= batch_tokens."""
     device = next(model.parameters()).device
     totals = torch.zeros(num_pairs, dtype=torch.float64)
+    misses = torch.zeros(num_pairs, dtype=torch.int64)
     order = sorted(range(len(jobs)), key=lambda j: -len(jobs[j].ids))
     i = 0
     while i < len(order):
@@ -131,11 +140,13 @@ def run_jobs(model, jobs: list[_Job], num_pairs: int, batch_tokens: int = DEFAUL
             offsets += len(job.ids)
         unique_rows, inverse = torch.tensor(rows, device=device).unique(return_inverse=True)
         logprobs = torch.log_softmax(model.compute_logits(hidden[unique_rows]).float(), dim=-1)
-        picked = logprobs[inverse, torch.tensor(targets, device=device)].double().cpu()
+        target_ids = torch.tensor(targets, device=device)
+        picked = logprobs[inverse, target_ids].double().cpu()
         totals.index_add_(0, torch.tensor(pair_idx), picked)
+        misses.index_add_(0, torch.tensor(pair_idx), (logprobs.argmax(dim=-1)[inverse] != target_ids).long().cpu())
         if on_progress is not None:
             on_progress(len(batch))
-    return totals.tolist()
+    return totals.tolist(), (misses == 0).tolist()
 
 
 def loglikelihoods(loaded, pairs: Sequence[tuple[str, str]], batch_tokens: int = DEFAULT_BATCH_TOKENS,
@@ -151,4 +162,4 @@ def loglikelihoods(loaded, pairs: Sequence[tuple[str, str]], batch_tokens: int =
         if on_progress is not None:
             on_progress(done[0], len(jobs))
 
-    return run_jobs(loaded.model, jobs, len(pairs), batch_tokens, progress)
+    return run_jobs(loaded.model, jobs, len(pairs), batch_tokens, progress)[0]

@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from llmopt.errors import LlmoptError
+from llmopt.eval import stats
 
 # lm-eval's subject -> category map (lm_eval/tasks/mmlu/_generate_configs.py). Note that it
 # files anatomy under stem, where Hendrycks et al.'s original grouping had it under other.
@@ -348,15 +349,6 @@ def apply_limit(questions: Sequence[MMLUQuestion], limit: int | float | None) ->
 # ---------------------------------------------------------------------------- scoring
 
 
-def mean_stderr(values: Sequence[int]) -> float | None:
-    """lm-eval's `mean_stderr`: sample standard deviation (n - 1) over sqrt(n)."""
-    n = len(values)
-    if n < 2:
-        return None
-    mean = sum(values) / n
-    return math.sqrt(sum((x - mean) ** 2 for x in values) / (n - 1) / n)
-
-
 def pooled_stderr(stderrs: Sequence[float | None], sizes: Sequence[int]) -> float | None:
     """lm-eval's `pooled_sample_stderr` for a size-weighted group of sub-scores."""
     if any(s is None for s in stderrs) or sum(sizes) - len(sizes) <= 0:
@@ -388,7 +380,7 @@ def score_mmlu(questions: Sequence[MMLUQuestion], loglikelihoods: Sequence[Seque
         correct.append(int(choice == q.answer))
         by_subject.setdefault(q.subject, []).append(correct[-1])
     subjects = {
-        s: Score(acc=sum(v) / len(v), acc_stderr=mean_stderr(v), n=len(v)) for s, v in sorted(by_subject.items())
+        s: Score(acc=sum(v) / len(v), acc_stderr=stats.stderr(v), n=len(v)) for s, v in sorted(by_subject.items())
     }
     groups = {
         g: _group_score(score for s, score in subjects.items() if SUBJECTS[s] == g)

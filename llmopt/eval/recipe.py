@@ -3,7 +3,7 @@
 Precedence: a flag given on the command line > the recipe (`--recipe FILE`) > the
 defaults below. A recipe is JSON (or YAML) whose eval settings are either top-level or
 under an `"eval"` key (so a whole-workflow recipe can carry other sections); setting names
-are the flag names with `_` for `-` (`max_tokens_scored`, `mmlu_path`, ...). An unknown
+are the flag names with `_` for `-` (`ctx_size`, `mmlu_path`, ...). An unknown
 setting is an error, not silently ignored. Write gates as strings: YAML reads `+0.5` as
 the number 0.5 and drops the sign, which is the meaning.
 
@@ -11,22 +11,35 @@ the number 0.5 and drops the sign, which is the meaning.
 document written out for users to copy (a test keeps the two equal). Why these values:
 
 - Tasks ppl, kld, mmlu: what separates a good 4-bit model from a broken one on the default
-  model within the CI budget (< 10 minutes for baseline + candidate on 2 CPU cores, where
-  the 135M default model scores ~300 tokens/s). HumanEval is left out of the default set:
-  generating 164 programs of up to 384 tokens costs far more than the rest together on a
-  CPU, and a 135M model passes almost none of them, so it would gate on noise. Add it with
-  `--tasks ppl,kld,mmlu,humaneval` (on a GPU, or for a model that can code).
-- max_tokens_scored 4096 (context 512, stride 256: 8,192 tokens through each model): the
-  KLD mean is a mean over 4096 correlated positions, stable to a few percent; the cached
-  baseline rows are 4096 x vocab x 2 bytes (403 MB for a 49k vocabulary).
-- MMLU: the first 5 questions of each of the 57 subjects of the bundled subset (285
-  questions, ~31k context tokens): enough to catch a collapse (a broken model falls to
-  chance), not to resolve a 1-point drop; `--limit` raises it.
-- Gates: `ppl:+25%`, `kld.mean:0.25`, `mmlu.acc:-3.0` (and `humaneval.pass@1:-3.0` when
-  HumanEval runs). On the default model, 4-bit AWQ (group 64) measures KLD ~0.18 and
-  ppl +18% on this text and passes; plain RTN (~0.35) fails the KLD gate; a model with
-  group size -1 or noisy weights fails by a wide margin; the baseline against itself
-  passes with KLD exactly 0.
+  model within the CI budget (< 10 minutes for baseline + candidate on 2 CPU cores).
+  HumanEval is left out of the default set: generating 164 programs of up to 384 tokens
+  costs far more than the rest together on a CPU, and a 135M model passes almost none of
+  them, so it would gate on nothing. Add it with `--tasks ppl,kld,mmlu,humaneval`.
+- ppl + KLD as llama.cpp's `llama-perplexity` windows them: `ctx_size` 512, 16 chunks
+  (8,192 tokens through each model, 16 x 255 = 4,080 scored). For KLD the baseline keeps
+  its float16 hidden states and vocabulary projection (59 MiB for the default model).
+- MMLU: the whole bundled subset (1,140 questions, 20 per subject), 0-shot.
+
+How each default bound was chosen, so that the shipped data can resolve it (a gate is
+resolved when its 95% CI lies wholly on one side of the bound; the CI half-widths below
+are from the reports in docs/benchmarks.md, AWQ and RTN w4 g64 vs the fp32 default model):
+
+- `ppl:+25%`: at 4,080 scored tokens the block-bootstrap CI of the relative perplexity
+  change is about ±3.4 points (RTN: [+20.5%, +27.2%]), so a candidate gets a verdict unless
+  it lies within ~3.4 points of the bound. AWQ (+12%) passes, RTN with one scale per row
+  (+73%) fails; plain RTN g64 (+23.8%) comes out inconclusive, which is the honest answer.
+- `kld.mean:0.25`: the CI is about ±0.015 nats at 4,080 tokens: AWQ (~0.13, issue 5's windows) passes, plain
+  RTN g64 (0.299, CI [0.285, 0.314]) fails significantly, one scale per row (0.66) by far.
+- `mmlu.acc:-3.0` on all 1,140 bundled questions: the paired CI half-width is 0.6 (RTN)
+  to 2.0 points (AWQ, more answers flipped both ways; RTN g64 measured [-0.70, +0.61]),
+  below the 3-point bound, so an unharmed candidate passes. On the 285 questions of 5 per
+  subject (the old default) it was ±3.2 points: the bound could not be resolved, hence
+  all 1,140 (~3.5 min per model on 2 idle CPU cores; the baseline's answers are cached). On this 135M model MMLU sits at
+  chance, so the gate only bites for larger models.
+- `humaneval.pass@1:-6.0` (when HumanEval runs, 164 problems): the half-width is about
+  1.96 sqrt(f / 164) for a fraction f of problems whose verdict flips: 4.8 points at
+  f = 10%, 5.9 at 15%; the old 3-point bound could not be resolved.
+- Fewer than `stats.MIN_UNITS` (30) items or token blocks: no interval, "inconclusive".
 """
 
 from __future__ import annotations
@@ -46,12 +59,12 @@ DEFAULTS: dict[str, Any] = {
     "description": "llmopt's default quality gates (what `llmopt eval MODEL --baseline BASE` runs without "
                    "--tasks/--gate/--recipe). Gates of tasks that do not run are skipped.",
     "tasks": ["ppl", "kld", "mmlu"],
-    "gates": ["ppl:+25%", "kld.mean:0.25", "mmlu.acc:-3.0", "humaneval.pass@1:-3.0"],
-    "max_tokens_scored": 4096,
-    "ppl_context": 512,
-    "ppl_stride": 256,
-    "mmlu_limit": 5,
+    "gates": ["ppl:+25%", "kld.mean:0.25", "mmlu.acc:-3.0", "humaneval.pass@1:-6.0"],
+    "ctx_size": 512,
+    "chunks": 16,
+    "mmlu_limit": None,
     "humaneval_limit": None,
+    "bootstrap_samples": 1000,
 }
 
 
@@ -60,18 +73,19 @@ class EvalSettings:
     tasks: list[str] = field(default_factory=lambda: list(DEFAULTS["tasks"]))
     gates: list[str] | None = None  # None: the default gates when there is a baseline
     text: str | None = None  # None: the bundled text
-    ppl_context: int = 512
-    ppl_stride: int = 256
-    max_tokens_scored: int | None = 4096  # None: the whole text
+    ctx_size: int = 512  # llama.cpp's --ctx-size: chunk length for ppl/kld
+    chunks: int | None = 16  # llama.cpp's --chunks; None: all whole chunks of the text
     mmlu_path: str | None = None  # None: the bundled subset
     num_fewshot: int = 0
-    mmlu_limit: int | float | None = 5  # per subject; None: all
+    mmlu_limit: int | float | None = None  # per subject; None: all
     humaneval_limit: int | float | None = None  # first N problems (a fraction: of all); None: all 164
     humaneval_mode: str = "completion"
     humaneval_samples: int = 1  # 1: greedy; n > 1: sampled at `temperature`, seeds seed..seed+n-1
     temperature: float = 0.8
     top_p: float = 0.95
-    seed: int = 0
+    seed: int = 0  # HumanEval sample i uses seed + i; the bootstrap's seed
+    bootstrap_samples: int = 1000
+    strict: bool = False  # inconclusive gates fail too (exit 1)
     pass_k: list[int] = field(default_factory=lambda: [1])
     humaneval_max_tokens: int = 384
     timeout: float = 5.0  # sandbox seconds per program
@@ -190,12 +204,14 @@ def resolve_settings(flags: dict[str, Any], recipe: dict[str, Any] | None, has_b
     s.mmlu_limit = parse_limit(s.mmlu_limit, "--limit (MMLU questions per subject)")
     s.humaneval_limit = parse_limit(s.humaneval_limit, "--limit (HumanEval problems)")
     s.pass_k = parse_pass_k(s.pass_k)
-    _check_int(s, "ppl_context", 2)
-    _check_int(s, "ppl_stride", 1)
-    if s.ppl_stride > s.ppl_context:
-        raise LlmoptError(f"--ppl-stride ({s.ppl_stride}) must not exceed --ppl-context ({s.ppl_context})")
-    if s.max_tokens_scored is not None:
-        _check_int(s, "max_tokens_scored", 1)
+    _check_int(s, "ctx_size", 4)
+    if isinstance(s.chunks, str) and s.chunks.strip().lower() == "all":
+        s.chunks = None
+    if s.chunks is not None:
+        _check_int(s, "chunks", 1)
+    _check_int(s, "bootstrap_samples", 1)
+    if not isinstance(s.strict, bool):
+        raise LlmoptError(f"strict must be true or false, got {s.strict!r}")
     _check_int(s, "num_fewshot", 0)
     _check_int(s, "humaneval_samples", 1)
     _check_int(s, "humaneval_max_tokens", 1)

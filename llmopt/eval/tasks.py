@@ -14,7 +14,6 @@ import json
 import logging
 import math
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,12 +25,12 @@ from llmopt.core.source import ModelSource
 from llmopt.errors import LlmoptError
 from llmopt.eval import cache
 from llmopt.eval.humaneval import STOP_SEQUENCES, HumanEvalResult, Problem, ProblemResult, SampleResult, chat_messages, score
+from llmopt.eval.kld import BaselineStore
 from llmopt.eval.loglikelihood import loglikelihoods
 from llmopt.eval.mmlu import MMLUQuestion, MMLUResult, evaluate_mmlu
 from llmopt.eval.recipe import EvalSettings
 from llmopt.eval.text import EvalText
-from llmopt.eval.textscore import ROW_DTYPE, TextScores, count_scored, score_text
-from llmopt.eval.windows import plan_windows
+from llmopt.eval.textscore import TextScores, score_text
 
 log = logging.getLogger("llmopt.eval")
 
@@ -43,7 +42,8 @@ class EvalData:
     """The items both models are scored on, loaded once."""
 
     text: EvalText | None = None
-    ids: torch.Tensor | None = None  # the text's token ids (both models share the tokenizer)
+    ids: torch.Tensor | None = None  # the text's token ids, whole chunks (both models share the tokenizer)
+    bos_id: int | None = None  # put at each chunk's start, where the tokenizer adds BOS
     mmlu: list[MMLUQuestion] | None = None  # after --limit
     mmlu_dev: list[MMLUQuestion] | None = None
     mmlu_total: int = 0  # before --limit
@@ -59,7 +59,6 @@ class ModelRun:
     spec: str
     source: ModelSource
     text: TextScores | None = None
-    rows: np.ndarray | None = field(default=None, repr=False)  # baseline: float16 log-prob rows (memmap)
     mmlu: MMLUResult | None = None
     mmlu_loglikelihoods: list[list[float]] | None = None
     humaneval: HumanEvalResult | None = None
@@ -74,7 +73,6 @@ class RunOptions:
     device: str = "cpu"
     engine: dict[str, Any] = field(default_factory=dict)  # EngineConfig fields for HumanEval generation
     use_cache: bool = True
-    scratch: Path | None = None  # where baseline rows go when the cache is off
 
 
 class _LazyModel:
@@ -109,7 +107,7 @@ def run_model(role: str, source: ModelSource, tasks: list[str], data: EvalData, 
     try:
         if "ppl" in tasks or "kld" in tasks:
             _timed(run, "ppl+kld" if "kld" in tasks else "ppl",
-                   lambda: _text_task(run, model, identity, tasks, data, settings, options, base, cached))
+                   lambda: _text_task(run, model, identity, tasks, data, settings, base, cached))
         if "mmlu" in tasks:
             _timed(run, "mmlu", lambda: _mmlu_task(run, model, identity, data, settings, cached))
         if "humaneval" in tasks:
@@ -134,67 +132,55 @@ def _note_cache(run: ModelRun, task: str, status: str, where: Path | None = None
 # ---------------------------------------------------------------------------- ppl + kld
 
 
-def _text_task(run, model, identity, tasks, data: EvalData, s: EvalSettings, options: RunOptions,
-               base: ModelRun | None, cached: bool) -> None:
+def _text_task(run, model, identity, tasks, data: EvalData, s: EvalSettings, base: ModelRun | None,
+               cached: bool) -> None:
     name = "ppl+kld" if "kld" in tasks else "ppl"
     ids = data.ids
+    store = "kld" in tasks
     if run.role == BASELINE:
-        key = cache.make_key("text", identity, data.text.sha256, s.max_tokens_scored, s.ppl_context, s.ppl_stride)
-        names = ("nll", "ids") + (("logprobs",) if "kld" in tasks else ())
+        key = cache.make_key("text", identity, data.text.sha256, s.ctx_size, s.chunks, data.bos_id, store)
+        names = ("nll", "ids") + (("hidden", "lm_head") if store else ())
         hit = cache.read_arrays(key, names) if cached else None
-        if hit is not None and np.array_equal(hit[1]["ids"], ids.numpy()):
-            run.text = TextScores(nll=np.asarray(hit[1]["nll"], dtype=np.float64))
-            run.rows = hit[1].get("logprobs")
+        if hit is not None and np.array_equal(hit[1]["ids"], ids.numpy()) and (not store or "store_error" in hit[0]):
+            meta, arrays = hit
+            run.text = TextScores(nll=np.asarray(arrays["nll"], dtype=np.float64))
+            if store:
+                run.text.store = BaselineStore(arrays["hidden"], arrays["lm_head"], float(meta["store_error"]))
             _note_cache(run, name, "hit", cache.array_dir(key))
             return
         _note_cache(run, name, "miss" if cached else "off")
-        n = count_scored(len(ids), s.ppl_context, s.ppl_stride)
-        vocab = model().config.vocab_size
-        if "kld" in tasks:
-            log.info("baseline: storing %d x %d float16 log-prob rows (%.0f MB) for KLD", n, vocab, n * vocab * 2 / 1e6)
-        folder_cm = cache.new_entry(key) if cached else _scratch_entry(options.scratch, key)
-        with folder_cm as folder:
-            rows = (np.lib.format.open_memmap(folder / "logprobs.npy", mode="w+", dtype=ROW_DTYPE, shape=(n, vocab))
-                    if "kld" in tasks else None)
-            run.text = _score(run, model, ids, s, rows_out=rows)
-            if rows is not None:
-                rows.flush()
-                del rows
-            np.save(folder / "nll.npy", run.text.nll)
-            np.save(folder / "ids.npy", ids.numpy())
-            (folder / "meta.json").write_text(json.dumps({"spec": run.spec, "identity": identity, "vocab": vocab}))
-        final = cache.array_dir(key) if cached else options.scratch / key
-        if "kld" in tasks:
-            run.rows = np.load(final / "logprobs.npy", mmap_mode="r")
+        run.text = _score(run, model, data, s, store=store)
+        if store:
+            log.info("baseline: keeping %d hidden states and the vocabulary projection for KLD (%.1f MiB, float16; "
+                     "rounding costs %.2g nats of KLD)", run.text.num_tokens, run.text.store.nbytes / 2**20,
+                     run.text.store.error)
+        if cached:
+            with cache.new_entry(key) as folder:
+                np.save(folder / "nll.npy", run.text.nll)
+                np.save(folder / "ids.npy", ids.numpy())
+                if store:
+                    np.save(folder / "hidden.npy", run.text.store.hidden)
+                    np.save(folder / "lm_head.npy", run.text.store.lm_head)
+                error = run.text.store.error if store else None
+                (folder / "meta.json").write_text(json.dumps({"spec": run.spec, "identity": identity,
+                                                              "store_error": error}))
         return
     if "kld" in tasks:
-        if base is None or base.rows is None:
-            raise RuntimeError("KLD needs the baseline's rows")
-        if base.rows.shape[1] != model().config.vocab_size:
-            raise LlmoptError(f"cannot compare token distributions: the baseline's vocabulary has {base.rows.shape[1]} "
-                              f"tokens, the candidate's {model().config.vocab_size}")
-        run.text = _score(run, model, ids, s, base_rows=base.rows, base_nll=base.text.nll)
+        if base is None or base.text is None or base.text.store is None:
+            raise RuntimeError("KLD needs the baseline's stored hidden states")
+        run.text = _score(run, model, data, s, base=base.text)
     else:
-        run.text = _score(run, model, ids, s)
+        run.text = _score(run, model, data, s)
 
 
-def _score(run: ModelRun, model, ids, s: EvalSettings, **kw) -> TextScores:
+def _score(run: ModelRun, model, data: EvalData, s: EvalSettings, **kw) -> TextScores:
     loaded = model()
     start = time.perf_counter()
-    result = score_text(loaded.model, ids, s.ppl_context, s.ppl_stride, **kw)
+    result = score_text(loaded.model, data.ids, s.ctx_size, bos_id=data.bos_id, **kw)
     dt = time.perf_counter() - start
-    forwarded = sum(w.end - w.start for w in plan_windows(len(ids), s.ppl_context, s.ppl_stride))
     log.info("%s text: %d tokens scored in %.1f s (%d through the model: %.0f tokens/s)", run.role, result.num_tokens,
-             dt, forwarded, forwarded / dt if dt > 0 else 0)
+             dt, len(data.ids), len(data.ids) / dt if dt > 0 else 0)
     return result
-
-
-@contextmanager
-def _scratch_entry(scratch: Path, key: str):
-    """Like cache.new_entry, in the run's scratch folder (the cache is off)."""
-    folder = scratch / key
-    folder.mkdir(parents=True, exist_ok=True)
-    yield folder
 
 
 # ---------------------------------------------------------------------------- mmlu
@@ -238,8 +224,7 @@ def _humaneval_task(run, model, identity, data: EvalData, s: EvalSettings, optio
         per_problem = [ProblemResult(p.task_id, [SampleResult(p.task_id, i, *sample)
                                                  for i, sample in enumerate(hit["samples"][p.task_id])])
                        for p in problems]
-        run.humaneval = HumanEvalResult(per_problem, {k: sum(x.pass_at(k) for x in per_problem) / len(per_problem)
-                                                      for k in s.pass_k})
+        run.humaneval = HumanEvalResult.of(per_problem, s.pass_k)
         return
     _note_cache(run, "humaneval", "miss" if cached else "off")
     run.completions = generate_completions(model(), problems, s, options.engine, run.role)

@@ -13,8 +13,9 @@ Sources:
 - a local `.txt` file (one document) or `.jsonl` / `.jsonl.gz` (a string or {"text": ...}
   per line; documents joined with "\\n\\n").
 
-The text is tokenized without special tokens and cut to the first `max_tokens + 1` tokens
-(the first token is context only, so that is `max_tokens` scored predictions).
+The text is tokenized as llama.cpp's `llama-perplexity` does: BOS first where the
+tokenizer adds one by default (`bos_id`), no other special tokens; then cut to whole
+chunks of `--ctx-size` tokens, at most `--chunks` of them (`windows.py`).
 """
 
 from __future__ import annotations
@@ -53,15 +54,25 @@ def load_text(source: str | None) -> EvalText:
     return _file_text(source)
 
 
-def tokenize(tokenizer, text: EvalText, max_tokens: int | None) -> torch.Tensor:
-    """Token ids of the text, at most `max_tokens` + 1 of them (`text.num_tokens` records them all)."""
+def bos_id(tokenizer) -> int | None:
+    """The BOS id when the tokenizer puts BOS before a text by default (llama.cpp's `add_bos`), else None."""
+    bos = tokenizer.token_to_id(tokenizer.bos_token)
+    if bos is None:
+        return None
+    return bos if tokenizer.encode("a", add_special_tokens=True)[:1] == [bos] else None
+
+
+def tokenize(tokenizer, text: EvalText, ctx_size: int, chunks: int | None) -> torch.Tensor:
+    """Token ids of whole `ctx_size` chunks of the text, at most `chunks` of them (`text.num_tokens` records all)."""
+    from llmopt.eval.windows import plan_chunks
+
     ids = tokenizer.encode(text.text, add_special_tokens=False)
+    bos = bos_id(tokenizer)
+    if bos is not None:
+        ids = [bos, *ids]
     text.num_tokens = len(ids)
-    if max_tokens is not None:
-        ids = ids[: max_tokens + 1]
-    if len(ids) < 2:
-        raise LlmoptError(f"text {text.source!r} has {len(ids)} token(s); perplexity needs at least 2")
-    return torch.tensor(ids, dtype=torch.long)
+    plan = plan_chunks(len(ids), ctx_size, chunks)
+    return torch.tensor(ids[: plan.num_tokens], dtype=torch.long)
 
 
 def _bundled_mmlu_text() -> str:

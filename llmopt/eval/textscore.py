@@ -1,18 +1,12 @@
-"""Perplexity and KL divergence in one pass over the text, with the baseline's side stored on disk.
+"""Perplexity and KL divergence in one pass over the text (llama.cpp's windowing, `windows.py`).
 
-The baseline pass records, per scored token, its NLL (float64, from float32 logits) and
-its full-vocabulary log-softmax row rounded to float16 (`rows_out`, a memmap in the
-baseline cache). The candidate pass then needs no baseline model: it computes its own NLL
-and compares its rows, rounded to float16 the same way, with the stored ones
-(`kld.position_stats`, which renormalises both).
-
-Why round the candidate too: the two distributions then differ only by what the models
-do, not by storage, so a model against itself gives exactly 0 and every candidate sees
-the same rounding. The rounding moves log-probs by at most ~1e-3 relative (float16's
-10-bit mantissa); KL divergence is second order in such perturbations once both sides
-are renormalised, so it shifts the mean KLD by far less than the differences gates care
-about (a 4-bit model is at ~0.1-0.4 nats). Perplexity always comes from the unrounded
-float32 logits.
+The baseline pass records, per scored token, its NLL (float64, from float32 logits) and,
+for KLD, its final hidden state plus once its dense vocabulary projection, both float16
+(`kld.BaselineStore`, kept in the baseline cache), and measures what that rounding costs:
+the mean KLD of its own rows from the rebuilt ones, measured the way a candidate's is (`store.error`, ~1e-6 nats on the
+default model; reported). The candidate pass then needs no baseline model: it rebuilds the
+baseline's full log-softmax rows from the store (`kld.kld_logprobs`) and compares them
+with its own float32 rows, the ones its NLL comes from (`kld.position_stats`).
 """
 
 from __future__ import annotations
@@ -23,18 +17,19 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from llmopt.eval.kld import KLDResult, position_stats, summarize
-from llmopt.eval.windows import num_scored, plan_windows, window_logits
+from llmopt.errors import LlmoptError
+from llmopt.eval.kld import STORE_DTYPE, BaselineStore, KLDResult, dense_lm_head, kld_logprobs, position_stats, summarize
+from llmopt.eval.windows import chunk_hidden, plan_chunks
 
-ROW_DTYPE = np.float16
 CHUNK_ROWS = 256  # log-softmax rows processed at once: bounds the vocab-sized temporaries
-WINDOW_BATCH = 4  # windows per forward
+BATCH_CHUNKS = 4  # chunks per forward
 
 
 @dataclass
 class TextScores:
     nll: np.ndarray  # float64 per scored token, in stream order
-    kld: KLDResult | None = None  # candidate vs the stored baseline rows, when given
+    store: BaselineStore | None = None  # the baseline's record for KLD, when asked
+    kld: KLDResult | None = None  # candidate vs the given baseline
 
     @property
     def num_tokens(self) -> int:
@@ -45,51 +40,57 @@ class TextScores:
         return float(np.exp(self.nll.mean()))
 
 
-def count_scored(num_tokens: int, context: int, stride: int) -> int:
-    return num_scored(plan_windows(num_tokens, context, stride))
-
-
 def score_text(
     model,
     ids: torch.Tensor,
-    context: int,
-    stride: int,
+    ctx_size: int,
     *,
-    rows_out: np.ndarray | None = None,
-    base_rows: np.ndarray | None = None,
-    base_nll: np.ndarray | None = None,
+    bos_id: int | None = None,
+    store: bool = False,
+    base: TextScores | None = None,
     on_progress: Callable[[int, int], None] | None = None,
 ) -> TextScores:
-    """Per-token NLL of `ids` under `model`; writes float16 log-prob rows to `rows_out` and/or
-    computes KLD against `base_rows` (with `base_nll` for the baseline's perplexity)."""
-    windows = plan_windows(len(ids), context, stride)
-    total = num_scored(windows)
-    for name, arr in (("rows_out", rows_out), ("base_rows", base_rows)):
-        if arr is not None and arr.shape[0] != total:
-            raise ValueError(f"{name} has {arr.shape[0]} rows for {total} scored tokens")
-    nlls, klds, sames, deltas = [], [], [], []
-    pos = 0
+    """Per-token NLL of `ids` (whole chunks of `ctx_size`) under `model`; with `store`, also the
+    record a later candidate's KLD needs; with `base` (a baseline's TextScores with `store`), the KLD."""
+    chunks = plan_chunks(len(ids), ctx_size)
+    total = chunks.num_scored
+    if base is not None and (base.store is None or base.num_tokens != total):
+        raise LlmoptError("the baseline's stored scores do not match this text and --ctx-size; rerun with --no-cache")
     device = next(model.parameters()).device
-    for targets, logits in window_logits(model, ids.to(device), windows, WINDOW_BATCH):
+    own_head = dense_lm_head(model) if store else None
+    vocab = model.config.vocab_size
+    if base is not None and base.store.vocab_size != vocab:
+        raise LlmoptError(f"cannot compare token distributions: the baseline's vocabulary has {base.store.vocab_size} "
+                          f"tokens, the candidate's {vocab}")
+    base_head = torch.from_numpy(np.array(base.store.lm_head)).to(device) if base is not None else None
+    nlls, hiddens, errors, klds, sames, deltas = [], [], [], [], [], []
+    pos = 0
+    for targets, hidden in chunk_hidden(model, ids.to(device), chunks, bos_id, BATCH_CHUNKS):
         for s in range(0, len(targets), CHUNK_ROWS):
-            lp = torch.log_softmax(logits[s:s + CHUNK_ROWS], dim=-1)
-            t = targets[s:s + CHUNK_ROWS]
+            h, t = hidden[s:s + CHUNK_ROWS], targets[s:s + CHUNK_ROWS]
             n = len(t)
-            nlls.append(-lp.gather(1, t[:, None]).squeeze(1).double().cpu())
-            rows16 = lp.to(torch.float16)
-            if rows_out is not None:
-                rows_out[pos:pos + n] = rows16.cpu().numpy()
-            if base_rows is not None:
-                base = torch.from_numpy(np.array(base_rows[pos:pos + n])).to(device)  # a writable copy of the memmap slice
-                kld, same, delta = position_stats(base.float(), rows16.float())
+            with torch.inference_mode():
+                lp = torch.log_softmax(model.compute_logits(h).float(), dim=-1)
+            nll = -lp.gather(1, t[:, None]).squeeze(1).double()
+            nlls.append(nll.cpu())
+            if store:
+                hiddens.append(h.to(STORE_DTYPE).cpu())
+                error, _, _ = position_stats(kld_logprobs(h, own_head), lp, nll, nll)  # as a candidate will compare
+                errors.append(error.cpu())
+            if base is not None:
+                b_hidden = torch.from_numpy(np.array(base.store.hidden[pos:pos + n])).to(device)
+                b_nll = torch.from_numpy(np.array(base.nll[pos:pos + n])).to(device)
+                kld, same, delta = position_stats(kld_logprobs(b_hidden, base_head), lp, b_nll, nll)
                 klds.append(kld.cpu()), sames.append(same.cpu()), deltas.append(delta.cpu())
+            del lp
             pos += n
         if on_progress is not None:
             on_progress(pos, total)
-    nll = torch.cat(nlls)
-    result = TextScores(nll=nll.numpy())
-    if base_rows is not None:
-        assert base_nll is not None and len(base_nll) == total
-        result.kld = summarize(torch.cat(klds), torch.cat(sames), torch.cat(deltas),
-                               torch.from_numpy(np.array(base_nll, dtype=np.float64)), nll)
+    result = TextScores(nll=torch.cat(nlls).numpy())
+    if store:
+        result.store = BaselineStore(torch.cat(hiddens).numpy(), own_head.cpu().numpy(),
+                                     float(torch.cat(errors).double().mean()))
+    if base is not None:
+        result.kld = summarize(torch.cat(klds).numpy(), torch.cat(sames).numpy(), torch.cat(deltas).numpy(),
+                               np.asarray(base.nll, np.float64), result.nll)
     return result

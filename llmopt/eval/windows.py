@@ -1,11 +1,16 @@
-"""Scoring a token stream with sliding windows: the shared core of perplexity and KLD.
+"""Scoring a token stream the way llama.cpp's `llama-perplexity` does: the shared core of ppl and KLD.
 
-A stream of N tokens is covered by windows of `context` tokens that start every
-`stride` tokens (Hugging Face's perplexity recipe): each window scores only the targets
-the previous windows have not scored, so every token from the second on is predicted
-exactly once, with up to `context - stride` tokens of history. Windows of equal length
-run as one batch through our decoder (`EqualLengthAttention`), with the vocabulary
-projection applied only to the rows that are scored.
+The stream is cut into non-overlapping chunks of `ctx_size` tokens (`--ctx-size`, 512 by
+default as in llama.cpp); a tail shorter than one chunk is dropped. Each chunk runs from
+an empty cache; where the tokenizer adds a BOS token, the chunk's first token is replaced
+by BOS for the forward (llama.cpp's `add_bos`). Only the second half of each chunk is
+scored, so every scored token has at least ctx_size/2 tokens of context: positions
+ctx_size/2 .. ctx_size-2 predict tokens ctx_size/2+1 .. ctx_size-1, which is
+ctx_size - 1 - ctx_size/2 scored tokens per chunk (255 at 512), as in
+`perplexity.cpp`'s `kl_divergence` and `perplexity` functions.
+
+Chunks are equally long, so they run as one batch through our decoder
+(`EqualLengthAttention`); only the scored rows' hidden states are kept.
 """
 
 from __future__ import annotations
@@ -20,49 +25,54 @@ from llmopt.model.attention import EqualLengthAttention
 
 
 @dataclass(frozen=True)
-class Window:
-    start: int  # first token of the window
-    end: int  # one past the last token
-    first_target: int  # first token whose prediction this window scores (targets first_target..end-1)
+class Chunks:
+    ctx_size: int
+    count: int
+
+    @property
+    def first(self) -> int:
+        """The first scored position of a chunk (its logits predict token first + 1)."""
+        return self.ctx_size // 2
+
+    @property
+    def scored_per_chunk(self) -> int:
+        return self.ctx_size - 1 - self.first
+
+    @property
+    def num_scored(self) -> int:
+        return self.count * self.scored_per_chunk
+
+    @property
+    def num_tokens(self) -> int:
+        return self.count * self.ctx_size
 
 
-def plan_windows(num_tokens: int, context: int, stride: int) -> list[Window]:
-    if context < 2:
-        raise LlmoptError(f"context must be at least 2 tokens, got {context}")
-    if not 0 < stride <= context:
-        raise LlmoptError(f"stride must be in 1..context ({context}), got {stride}")
-    if num_tokens < 2:
-        raise LlmoptError(f"need at least 2 tokens of text to score, got {num_tokens}")
-    windows, scored_until = [], 1  # token 0 has no prediction
-    start = 0
-    while scored_until < num_tokens:
-        end = min(start + context, num_tokens)
-        windows.append(Window(start=start, end=end, first_target=max(scored_until, start + 1)))
-        scored_until = end
-        start += stride
-    return windows
-
-
-def num_scored(windows: list[Window]) -> int:
-    return sum(w.end - w.first_target for w in windows)
+def plan_chunks(num_tokens: int, ctx_size: int, max_chunks: int | None = None) -> Chunks:
+    """As many whole chunks as the stream holds, at most `max_chunks`."""
+    if ctx_size < 4:
+        raise LlmoptError(f"--ctx-size must be at least 4 tokens, got {ctx_size}")
+    count = num_tokens // ctx_size
+    if max_chunks is not None:
+        count = min(count, max_chunks)
+    if count < 1:
+        raise LlmoptError(f"the text has {num_tokens} tokens, less than one chunk of --ctx-size {ctx_size}; "
+                          "give a longer --text or a smaller --ctx-size")
+    return Chunks(ctx_size, count)
 
 
 @torch.inference_mode()
-def window_logits(model, ids: torch.Tensor, windows: list[Window], batch_size: int = 8
-                  ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """For each batch of windows: (targets [T], float32 logits [T, vocab] predicting them), in stream order."""
-    i = 0
-    while i < len(windows):
-        length = windows[i].end - windows[i].start
-        batch = [windows[i]]
-        while (i + len(batch) < len(windows) and len(batch) < batch_size
-               and windows[i + len(batch)].end - windows[i + len(batch)].start == length):
-            batch.append(windows[i + len(batch)])
-        i += len(batch)
-        tokens = torch.stack([ids[w.start:w.end] for w in batch])
-        positions = torch.arange(length, device=ids.device).repeat(len(batch))
-        hidden = model(tokens.reshape(-1), positions, EqualLengthAttention(len(batch), length))
-        rows = torch.cat([torch.arange(w.first_target - 1 - w.start, length - 1, device=ids.device) + b * length
-                          for b, w in enumerate(batch)])
-        targets = torch.cat([ids[w.first_target:w.end] for w in batch])
-        yield targets, model.compute_logits(hidden[rows]).float()
+def chunk_hidden(model, ids: torch.Tensor, chunks: Chunks, bos_id: int | None = None, batch_size: int = 4
+                 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Per batch of chunks: (targets [T], final hidden states [T, hidden] predicting them), in stream order;
+    `model.compute_logits` turns the states into logits."""
+    n, first = chunks.ctx_size, chunks.first
+    for c0 in range(0, chunks.count, batch_size):
+        b = min(batch_size, chunks.count - c0)
+        tokens = ids[c0 * n:(c0 + b) * n].reshape(b, n).clone()
+        targets = tokens[:, first + 1:].reshape(-1).clone()  # the real tokens, before BOS replaces the first
+        if bos_id is not None:
+            tokens[:, 0] = bos_id
+        positions = torch.arange(n, device=ids.device).repeat(b)
+        hidden = model(tokens.reshape(-1), positions, EqualLengthAttention(b, n))
+        rows = (torch.arange(first, n - 1, device=ids.device) + n * torch.arange(b, device=ids.device)[:, None]).reshape(-1)
+        yield targets, hidden[rows]
