@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from llmopt.core.source import ModelSource, resolve
+from llmopt.core.loader import load_tokenizer
 from llmopt.errors import LlmoptError
 from llmopt.eval import stats
 from llmopt.eval.gates import (
@@ -94,16 +95,6 @@ def resolve_gates(s: EvalSettings, has_baseline: bool) -> tuple[list[Gate], list
                                   f"(with --humaneval-samples >= {k})")
         gates.append(gate)
     return gates, skipped
-
-
-def _tokenizer_of(source: ModelSource):
-    if source.kind == "gguf":
-        from llmopt.core.gguf_file import read_gguf_tokenizer
-
-        return read_gguf_tokenizer(source.path)
-    from llmopt.core.tokenizer import Tokenizer
-
-    return Tokenizer.from_dir(source.path)
 
 
 def check_same_tokenizer(cand: ModelSource, base: ModelSource, cand_tok, base_tok, text_ids: list[int],
@@ -194,10 +185,10 @@ def run_eval(request: EvalRequest) -> EvalReport:
         log.debug("gate %s skipped: its task is not in --tasks", text)
     cand_source = resolve(request.model)
     base_source = resolve(request.baseline) if request.baseline is not None else None
-    cand_tok = _tokenizer_of(cand_source)
+    cand_tok = load_tokenizer(cand_source)
     data = load_data(s, cand_tok)
     if base_source is not None and data.ids is not None:
-        base_tok = _tokenizer_of(base_source)
+        base_tok = load_tokenizer(base_source)
         base_ids = tokenize(base_tok, data.text, s.ctx_size, s.chunks).tolist()
         check_same_tokenizer(cand_source, base_source, cand_tok, base_tok, data.ids.tolist(), base_ids, s.tasks)
     if "ppl" in s.tasks or "kld" in s.tasks:
