@@ -35,7 +35,7 @@ from llmopt.bench.serve import ServeBenchConfig, parse_sweep, run_serve_bench
 from llmopt.core import load_tokenizer
 from llmopt.bench.serve_metrics import RequestResult, compute_metrics, parse_goodput, parse_percentiles
 from llmopt.errors import LlmoptError
-from tests.conftest import assert_usage_error, run_cli
+from conftest import assert_usage_error, run_cli
 
 LATE_MS, GAP_MS = 40.0, 5.0
 
