@@ -21,6 +21,19 @@ from llmopt.core.tokenizer import Tokenizer
 from llmopt.errors import LlmoptError
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+# nats: two fp32 paths (batched or not, padded or not, ours or transformers') differ by float rounding, ~1e-5
+# in the logits; they are compared up to the reference's first top-2 gap below this. Tiny random models have
+# gaps of a few thousandths, so the margin sits well above the rounding and well below typical gaps.
+NEAR_TIE = 1e-3
+
+
+def decisive_prefix(model, prompt: list[int], tokens: list[int]) -> int:
+    """How many of `tokens` (the reference's greedy output) come before its first near tie."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1]
+    top = torch.log_softmax(logits.float(), -1).topk(2).values
+    gaps = (top[:, 0] - top[:, 1]).tolist()
+    return next((j for j, gap in enumerate(gaps) if gap < NEAR_TIE), len(gaps))
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +103,12 @@ def test_hf_baselines_exact_lengths_and_agree(tiny):
     seq = run_hf_sequential(model, reqs, pad_token_id=eos)
     static = run_hf_static_batches(model, reqs, batch_size=4, pad_token_id=eos)
     assert [len(o) for o in seq.outputs] == [r.max_tokens for r in reqs]
-    assert seq.outputs == static.outputs
+    assert [len(o) for o in static.outputs] == [r.max_tokens for r in reqs]
+    # padded batches are another numeric path: tokens agree up to the reference's first near tie
+    decisive = [decisive_prefix(model, r.prompt_token_ids, out) for r, out in zip(reqs, seq.outputs)]
+    assert sum(decisive) >= sum(r.max_tokens for r in reqs) // 2
+    for k, a, b in zip(decisive, seq.outputs, static.outputs):
+        assert a[:k] == b[:k]
     steps = max(r.max_tokens for r in reqs[:4]) * 4 + max(r.max_tokens for r in reqs[4:]) * 2
     assert static.generated_tokens_computed == steps and static.num_batches == 2 and static.prompt_pad_tokens > 0
 
@@ -106,7 +124,14 @@ def test_engines_in_process_agree_with_transformers(tiny):
     assert not (ours.skipped or hf.skipped or batch.skipped), (ours.skipped, hf.skipped, batch.skipped)
     assert ours.output_tokens == batch.output_tokens == sum(r.max_tokens for r in reqs)
     assert hf.num_requests == 3 and hf.output_tokens == sum(r.max_tokens for r in reqs[:3])
-    assert ours.outputs[:3] == hf.outputs and ours.outputs == batch.outputs
+    # transformers and llmopt are two numeric paths: tokens agree up to the reference's first near tie
+    model = load_hf_model(folder)
+    decisive = [decisive_prefix(model, r.prompt_token_ids, out) for r, out in zip(reqs, batch.outputs)]
+    assert sum(decisive) >= sum(r.max_tokens for r in reqs) // 2  # the comparison must cover most tokens
+    for k, a, b in zip(decisive, ours.outputs, batch.outputs):
+        assert a[:k] == b[:k]
+    for k, a, b in zip(decisive, hf.outputs, batch.outputs):  # one at a time vs padded batches: two paths too
+        assert a[:k] == b[:k]
     assert ours.mean_ttft_ms > 0 and ours.peak_kv_cache_gib > 0 and ours.label == "llmopt (float32)"
     missing = run_engine("vllm", str(folder), reqs, options)
     assert missing.skipped and "not installed" in missing.skipped or "vllm" in missing.skipped.lower()
@@ -124,7 +149,8 @@ def test_throughput_runs_engines_in_their_own_processes(tiny):
     first, second = document["runs"]
     assert first["output_tokens"] == second["output_tokens"] == 16
     assert first["output_throughput_vs_first"] == 1.0
-    assert second["same_tokens_as_first"] == [4, 4]  # fp32 on both sides: the same greedy tokens
+    same, common = second["same_tokens_as_first"]  # how many match depends on near ties (see the test above)
+    assert common == 4 and 0 <= same <= 4
     assert second["output_throughput"] == pytest.approx(16 / second["elapsed_time"])
     assert document["config"]["workload"]["output_tokens"] == 16
 
@@ -185,4 +211,10 @@ def test_cli_bad_input(tiny, tmp_path):
     assert_usage_error(["bench", "throughput", str(folder), "--output-len", "-3"], "lengths must be at least 1")
     assert_usage_error(["bench", "latency", str(folder), "--batch-size", "1,x"], "--batch-size")
     assert_usage_error(["bench", "latency", str(folder), "--engines", "hf"], "not 'hf'")
+    assert_usage_error(["bench", "throughput", str(folder), "--hf-batch-size", "0"], "--hf-batch-size")
+    assert_usage_error(["bench", "throughput", str(folder), "--dtype", "float8"], "unknown dtype 'float8'")
+    assert_usage_error(["bench", "latency", str(folder), "--gguf", str(tmp_path / "none.gguf")], "--gguf")
+    a_file = tmp_path / "taken"
+    a_file.write_text("")
+    assert_usage_error(["bench", "throughput", str(folder), "-o", str(a_file / "run")], "--output")
     assert not (tmp_path / "results.json").exists()

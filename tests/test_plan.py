@@ -120,6 +120,7 @@ def test_cli_plan_bad_input(tmp_path):
     assert_usage_error(["plan", "llama-3-8b", "--gpu", "B300"], "unknown GPU 'B300'")
     assert_usage_error(["plan", "llama-3-8b", "--context", "100000"], "exceeds the model's 8192 positions")
     assert_usage_error(["plan", "llama-3-8b", "--kv-cache-dtype", "int2"], "--kv-cache-dtype")
+    assert_usage_error(["plan", "llama-3-8b", "--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization")
     bad = tmp_path / "p.json"
     bad.write_text('{"Z1": 2}')
     assert_usage_error(["plan", "llama-3-8b", "--prices", str(bad)], "unknown GPU 'Z1'")

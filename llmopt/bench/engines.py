@@ -68,6 +68,28 @@ class EngineResult:
         return d
 
 
+def check_options(options: EngineOptions) -> None:
+    """Refuse options every engine would fail on, before any process starts (LlmoptError)."""
+    import torch
+
+    from llmopt.core.loader import resolve_dtype
+    from llmopt.errors import LlmoptError
+
+    try:
+        device = torch.device(options.device)
+    except RuntimeError:
+        raise LlmoptError(f"unknown device {options.device!r}") from None
+    resolve_dtype(options.dtype, device)
+    if options.hf_batch_size < 1:
+        raise LlmoptError(f"--hf-batch-size must be at least 1, got {options.hf_batch_size}")
+    if options.hf_max_requests is not None and options.hf_max_requests < 0:
+        raise LlmoptError(f"--hf-max-requests must be 0 (all) or more, got {options.hf_max_requests}")
+    if options.threads is not None and options.threads < 1:
+        raise LlmoptError(f"--threads must be at least 1, got {options.threads}")
+    if options.gguf is not None and not (Path(options.gguf).is_file() and options.gguf.endswith(".gguf")):
+        raise LlmoptError(f"--gguf {options.gguf}: not an existing .gguf file")
+
+
 def isolated(fn: Callable[..., T], *args: Any) -> T:
     """`fn(*args)` in a freshly spawned process (fn and args must pickle)."""
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
 from llmopt.bench.datasets import make_workload
-from llmopt.bench.engines import EngineOptions, gguf_file, isolated
+from llmopt.bench.engines import EngineOptions, check_options, gguf_file, isolated
 from llmopt.bench.environment import collect_metadata
 from llmopt.bench.results import results_document
 from llmopt.errors import LlmoptError
@@ -70,6 +70,7 @@ def run_latency(config: LatencyConfig, progress: Callable[[str], None] | None = 
 
 
 def _check(config: LatencyConfig) -> None:
+    check_options(config.options)
     unknown = [e for e in config.engines if e not in LATENCY_ENGINES]
     if unknown:
         raise LlmoptError(f"bench latency runs {' and '.join(LATENCY_ENGINES)}; not {unknown[0]!r}")

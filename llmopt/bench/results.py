@@ -9,6 +9,7 @@ engine (throughput), batch size (latency) or load point (serve).
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,16 @@ def results_document(kind: str, metadata: dict[str, Any], config: dict[str, Any]
     if kind not in KINDS:
         raise ValueError(f"unknown results kind {kind!r}")
     return {"llmopt_bench": FORMAT_VERSION, "kind": kind, "metadata": metadata, "config": config, "runs": runs}
+
+
+def prepare_output_dir(output_dir: Path) -> None:
+    """Create `output_dir` now, so a folder that cannot be written is found out before a run, not after it."""
+    try:
+        output_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise LlmoptError(f"--output {output_dir}: cannot create the folder ({exc.strerror or exc})") from None
+    if not os.access(output_dir, os.W_OK):
+        raise LlmoptError(f"--output {output_dir}: the folder is not writable")
 
 
 def write_results(output_dir: Path, document: dict[str, Any]) -> Path:

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
 from llmopt.bench.datasets import BenchRequest, make_workload
-from llmopt.bench.engines import ENGINES, EngineOptions, EngineResult, run_isolated
+from llmopt.bench.engines import ENGINES, EngineOptions, EngineResult, check_options, run_isolated
 from llmopt.bench.environment import collect_metadata
 from llmopt.bench.results import results_document
 from llmopt.core import load_tokenizer
@@ -49,6 +49,7 @@ def run_throughput(config: ThroughputConfig,
     """Run every engine of `config` on one workload; the results document (llmopt/bench/results.py).
 
     `progress(engine, None)` is called as an engine starts and `progress(engine, result)` as it ends."""
+    check_options(config.options)
     requests = make_workload(load_tokenizer(config.model), config.dataset, config.num_prompts, config.input_len,
                              config.output_len, config.range_ratio, config.seed, config.prefix_len)
     results: list[EngineResult] = []

@@ -87,12 +87,15 @@ def throughput(
     """Offline throughput: one workload through several engines, side by side, in one run."""
     from llmopt.bench.engines import EngineOptions
     from llmopt.bench.offline_report import write_throughput_report
+    from llmopt.bench.results import prepare_output_dir
     from llmopt.bench.throughput import TABLE_COLUMNS, ThroughputConfig, parse_engines, run_throughput, table_rows
 
     config = engine_config(max_num_seqs, max_num_batched_tokens, max_model_len, block_size, enable_prefix_caching,
                            kv_cache_memory, gpu_memory_utilization, kv_cache_dtype)
     options = EngineOptions(dtype=dtype, device=device, engine_config=asdict(config), hf_batch_size=hf_batch_size,
                             hf_max_requests=hf_max_requests or None, gguf=gguf, threads=threads)
+    if output is not None:
+        prepare_output_dir(output)
     bench = ThroughputConfig(model=model, engines=parse_engines(engines), dataset=dataset, num_prompts=num_prompts,
                              input_len=input_len, output_len=output_len or None, range_ratio=range_ratio,
                              prefix_len=prefix_len, seed=seed, options=options)
@@ -148,6 +151,7 @@ def latency(
     from llmopt.bench.engines import EngineOptions
     from llmopt.bench.latency import LATENCY_COLUMNS, LatencyConfig, latency_rows, run_latency
     from llmopt.bench.offline_report import write_latency_report
+    from llmopt.bench.results import prepare_output_dir
     from llmopt.errors import LlmoptError
 
     try:
@@ -160,6 +164,8 @@ def latency(
     bench = LatencyConfig(model=model, engines=[e.strip() for e in engines.split(",") if e.strip()],
                           batch_sizes=sizes, input_len=input_len, output_len=output_len,
                           num_iters_warmup=num_iters_warmup, num_iters=num_iters, seed=seed, options=options)
+    if output is not None:
+        prepare_output_dir(output)
     with err_console.status("") as status:
         document = run_latency(bench, lambda text: status.update(f"bench latency: {text} ..."))
     if output is not None:

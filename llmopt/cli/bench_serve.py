@@ -68,6 +68,7 @@ def serve(
 ) -> None:
     """Online benchmark of an OpenAI-compatible server: TTFT, TPOT, ITL, latency, throughput, goodput."""
     from llmopt.bench.report import format_value
+    from llmopt.bench.results import prepare_output_dir
     from llmopt.bench.serve import ServeBenchConfig, check_config, run_serve_bench
     from llmopt.bench.serve_metrics import parse_goodput, parse_percentiles
     from llmopt.bench.serve_report import build_document, notes, table_rows, write_report
@@ -90,13 +91,8 @@ def serve(
         percentiles=parse_percentiles(percentiles), goodput=parse_goodput([*goodput, *ctx.args]),
         cost_per_hour=cost_per_hour, timeout=timeout, server_timeout=server_timeout)
     check_config(config)
-    if output is not None:  # a folder we cannot write is found out before the run, not after it
-        try:
-            output.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise LlmoptError(f"--output {output}: cannot create the folder ({exc.strerror or exc})") from None
-        if not os.access(output, os.W_OK):
-            raise LlmoptError(f"--output {output}: the folder is not writable")
+    if output is not None:
+        prepare_output_dir(output)
     screen = err_console if json_output else console
     name, runs = _run_with_progress(config, run_serve_bench)
     document = build_document(config, name, runs, save_detailed)

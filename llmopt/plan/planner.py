@@ -103,6 +103,10 @@ def make_plan(spec: str, cfg: ModelConfig, gpus: dict[str, Gpu], req: PlanReques
         raise LlmoptError(f"unknown GPU {req.gpu!r}; known: {', '.join(gpus)} (add one with --prices FILE)")
     if req.context < 1 or req.concurrency < 1:
         raise LlmoptError("--context and --concurrency must be at least 1")
+    if not 0 < req.gpu_memory_utilization <= 1:
+        raise LlmoptError(f"--gpu-memory-utilization must be in (0, 1], got {req.gpu_memory_utilization}")
+    if (req.requests_per_hour is not None and req.requests_per_hour < 0) or req.output_tokens_per_request < 1:
+        raise LlmoptError("--requests-per-hour must be 0 or more and --output-tokens at least 1")
     unknown = [f for f in req.formats if f not in FORMATS]
     if unknown:
         raise LlmoptError(f"unknown format {unknown[0]!r}; known: {', '.join(FORMATS)}")
