@@ -23,19 +23,14 @@ def write_throughput_report(output_dir: Path, document: dict[str, Any]) -> None:
     if ran:
         plot_bars(plot, [_wrap(r["label"]) for r in ran], {"output tokens/s": [r["output_throughput"] for r in ran]},
                   ylabel="output tokens/s", title=f"{config['model']}: {w['requests']} requests, {hardware_line(meta)}")
-    text = "\n".join([
-        f"# llmopt bench throughput: {config['model']}", "",
-        f"{meta['date']}, llmopt {meta['llmopt_version']} ({meta['git_commit'] or 'no git'}), {hardware_line(meta)}, "
-        f"torch {meta['torch']}.", "",
+    _write_markdown(output_dir, "throughput", config["model"], meta, [
         f"Workload: {w['requests']} requests of the `{config['dataset']}` dataset (seed {config['seed']}), prompts "
         f"{w['prompt_len_min']}-{w['prompt_len_max']} tokens ({w['prompt_tokens']} in all), outputs "
         f"{w['output_len_min']}-{w['output_len_max']} tokens ({w['output_tokens']}), greedy, EOS ignored, all "
-        "submitted at once; each engine in a process of its own.", "",
-        markdown_table(table_rows(document), TABLE_COLUMNS), "",
-        "![output tokens/s per engine](throughput.png)" if ran else "", "",
+        "submitted at once; each engine in a process of its own.",
+        markdown_table(table_rows(document), TABLE_COLUMNS),
+        "![output tokens/s per engine](throughput.png)" if ran else "",
     ])
-    with atomic_file(output_dir / "report.md") as tmp:
-        tmp.write_text(text, encoding="utf-8")
 
 
 def _wrap(label: str, width: int = 18) -> str:
@@ -60,16 +55,22 @@ def write_latency_report(output_dir: Path, document: dict[str, Any]) -> None:
         plot_bars(output_dir / "latency.png", [_wrap(r["label"]) for r in ran],
                   {"measured": [r["tg_tok_s"] for r in ran], "roofline": [r.get("ideal_tg_tok_s") for r in ran]},
                   ylabel="decode (tg) tokens/s", title=f"{config['model']}: {hardware_line(meta)}")
-    text = "\n".join([
-        f"# llmopt bench latency: {config['model']}", "",
-        f"{meta['date']}, llmopt {meta['llmopt_version']} ({meta['git_commit'] or 'no git'}), {hardware_line(meta)}, "
-        f"torch {meta['torch']}. Measured read bandwidth {config['read_bandwidth_gb_s']:.1f} GB/s.", "",
+    _write_markdown(output_dir, "latency", config["model"], meta, [
+        f"Measured read bandwidth {config['read_bandwidth_gb_s']:.1f} GB/s. "
         f"{config['input_len']} random prompt tokens + {config['output_len']} generated (greedy, EOS ignored) per "
         f"sequence; medians of {config['num_iters']} iterations after {config['num_iters_warmup']} warm-up. "
         "Roofline: bytes a decode step reads at the mean context (weights as stored + K/V) over the measured "
-        "bandwidth; MBU = measured / roofline tg tokens/s.", "",
-        markdown_table(latency_rows(document), LATENCY_COLUMNS), "",
-        "![decode tokens/s and the roofline](latency.png)" if ran else "", "",
+        "bandwidth; MBU = measured / roofline tg tokens/s.",
+        markdown_table(latency_rows(document), LATENCY_COLUMNS),
+        "![decode tokens/s and the roofline](latency.png)" if ran else "",
     ])
+
+
+def _write_markdown(output_dir: Path, kind: str, model: str, meta: dict[str, Any], paragraphs: list[str]) -> None:
+    """report.md: a title, the line saying what ran where, then `paragraphs` (empty ones dropped)."""
+    head = [f"# llmopt bench {kind}: {model}",
+            f"{meta['date']}, llmopt {meta['llmopt_version']} ({meta['git_commit'] or 'no git'}), "
+            f"{hardware_line(meta)}, torch {meta['torch']}."]
+    text = "\n\n".join(p.strip() for p in head + paragraphs if p.strip()) + "\n"
     with atomic_file(output_dir / "report.md") as tmp:
         tmp.write_text(text, encoding="utf-8")
