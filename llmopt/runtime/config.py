@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from llmopt.errors import LlmoptError
+from llmopt.runtime.speculative import SpeculativeConfig
 
 # `--kv-cache-dtype` values (vLLM's flag; its fp8 variants are not implemented here)
 KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {
@@ -28,8 +30,11 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9  # GPU: fraction of device memory llmopt may use in all
     num_kv_blocks: int | None = None  # exact pool size (tests, benchmarks); overrides the two above
     kv_cache_dtype: str = "auto"  # KV pool element type (KV_CACHE_DTYPES); "auto": the model's dtype
+    # speculative decoding: a SpeculativeConfig, or its keys as a dict (vLLM's speculative_config)
+    speculative_config: SpeculativeConfig | dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
+        self.speculative_config = SpeculativeConfig.from_value(self.speculative_config)
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:

@@ -1,8 +1,9 @@
 """LLMEngine: requests in, one scheduled step at a time, outputs out.
 
-`add_request` validates and queues a request; `step` schedules, runs the model, samples,
-detokenizes, checks stop conditions and frees finished requests' blocks. `LLM` (offline
-batches) and `AsyncLLM` (the server) both drive this class.
+`add_request` validates and queues a request; `step` schedules, lets a proposer fill in draft
+tokens (speculative decoding), runs the model, samples (or verifies drafts) and hands the results
+to `Scheduler.update_from_output`, the one place that changes requests after a step. `LLM`
+(offline batches) and `AsyncLLM` (the server) both drive this class.
 """
 
 from __future__ import annotations
@@ -23,11 +24,15 @@ from llmopt.runtime.detokenizer import IncrementalDetokenizer
 from llmopt.runtime.kv_cache_manager import KVCacheManager
 from llmopt.runtime.model_runner import ModelRunner, kv_bytes_per_block
 from llmopt.runtime.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from llmopt.runtime.sampler import SampleRequest, make_generator, sample_batch
+from llmopt.runtime.proposers import DraftModelProposer, NgramProposer
+from llmopt.runtime.sampler import SampleRequest, SampleResult, make_generator, sample_batch, verify_row
 from llmopt.runtime.sampling_params import SamplingParams
-from llmopt.runtime.scheduler import Scheduler
+from llmopt.runtime.scheduler import Scheduler, check_stop
 from llmopt.runtime.sequence import Sequence
+from llmopt.runtime.speculative import SpecDecodingStats, check_draft_compatible
 from llmopt.runtime.structured_outputs import StructuredOutputManager
+
+__all__ = ["LLMEngine", "EngineFrontend", "EngineStats", "PromptType", "check_stop", "make_output"]
 
 logger = logging.getLogger("llmopt.engine")
 
@@ -47,6 +52,8 @@ class EngineStats:
     prompt_tokens: int  # prompt tokens of requests that produced their first token
     generation_tokens: int
     peak_kv_blocks_used: int
+    # speculative decoding counters (SpecDecodingStats.to_dict()); None without speculation
+    spec_decode: dict[str, Any] | None = None
 
 
 class EngineFrontend:
@@ -123,11 +130,27 @@ class LLMEngine(EngineFrontend):
         # a 16-bit pool for an fp32 model holds twice the blocks in the same budget
         self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, loaded.dtype)
         block_bytes = kv_bytes_per_block(loaded.model, config.block_size, self.kv_cache_dtype)
+        spec = config.speculative_config
+        draft = self._load_draft(spec) if spec is not None and spec.method == "draft_model" else None
+        if draft is not None:  # the draft's pool has the target's block ids: one block costs both
+            draft_kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, draft.dtype)
+            block_bytes += kv_bytes_per_block(draft.model, config.block_size, draft_kv_dtype)
         num_blocks = config.num_kv_blocks or self._num_blocks_for_memory(block_bytes)
         if num_blocks < 1:
             raise LlmoptError("the KV cache budget is smaller than one block; raise --kv-cache-memory")
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
+        self.spec_stats = None
+        self.proposer: NgramProposer | DraftModelProposer | None = None
+        if spec is not None:
+            self.spec_stats = SpecDecodingStats(spec.num_speculative_tokens, spec.acceptance_warning_threshold,
+                                                spec.acceptance_window)
+            self.proposer = (DraftModelProposer(draft, num_blocks, config.block_size, draft_kv_dtype) if draft
+                             else NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max))
+        self.scheduler = Scheduler(
+            self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.tokenizer.eos_token_ids,
+            self.max_model_len, num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
+            speculative_disable_by_batch_size=spec.disable_by_batch_size if spec else None,
+            spec_stats=self.spec_stats)
         self.runner = ModelRunner(loaded.model, num_blocks, config.block_size, loaded.dtype, loaded.device,
                                   kv_dtype=self.kv_cache_dtype)
         self.kv_cache_bytes = num_blocks * block_bytes
@@ -149,6 +172,21 @@ class LLMEngine(EngineFrontend):
             str(self.kv_cache_dtype).removeprefix("torch."), self.max_model_len,
             tokens / self.max_model_len,
         )
+
+    def _load_draft(self, spec) -> LoadedModel:
+        """The draft model, on the target's device and dtype, checked against the target."""
+        from llmopt.core import load
+
+        draft = load(spec.model, dtype=str(self.loaded.dtype).removeprefix("torch."),
+                     device=str(self.loaded.device))
+        check_draft_compatible(self.tokenizer, draft.tokenizer, spec.allow_mismatch)
+        if draft.config.max_position_embeddings < self.max_model_len:
+            raise LlmoptError(f"the draft model's context ({draft.config.max_position_embeddings} tokens) is "
+                              f"shorter than max_model_len {self.max_model_len}; lower --max-model-len")
+        if draft.config.vocab_size > self.loaded.config.vocab_size and not spec.allow_mismatch:
+            raise LlmoptError(f"the draft's vocabulary ({draft.config.vocab_size}) is larger than the target's "
+                              f"({self.loaded.config.vocab_size})")
+        return draft
 
     @classmethod
     def from_spec(cls, model: str = "default", dtype: str = "auto", device: str = "cpu", **config: Any) -> "LLMEngine":
@@ -210,14 +248,16 @@ class LLMEngine(EngineFrontend):
             return None
         seq.finish_reason = "abort"
         seq.finished_time = time.time()
-        self._retire(seq)
+        self.scheduler.finish(seq)
+        self._forget(seq)
         return make_output(seq, [])
 
-    def _retire(self, seq: Sequence) -> None:
-        """A finished or aborted request (already out of self.requests) leaves the scheduler."""
-        self.scheduler.finish(seq)
+    def _forget(self, seq: Sequence) -> None:
+        """A finished or aborted request (already out of self.requests and the scheduler)."""
         self.num_scoring -= seq.prompt_logprobs is not None
         self.num_constrained -= seq.matcher is not None
+        if self.proposer is not None:
+            self.proposer.discard(seq)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -228,67 +268,84 @@ class LLMEngine(EngineFrontend):
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             return []
-        now = time.time()
-        for seq, _ in sched.scheduled:
-            if seq.first_scheduled_time is None:
-                seq.first_scheduled_time = now
-        step = self.runner.execute(sched.scheduled, score_prompts=self.num_scoring > 0)
-        samplers = step.samplers
-        for seq, n in sched.scheduled:
-            seq.num_computed_tokens += n
-            self.kv.cache_full_blocks(seq)
+        if sched.lookahead:
+            sched.add_drafts(self.proposer.propose(sched.lookahead))
+        step = self.runner.execute(sched.scheduled, score_prompts=self.num_scoring > 0,
+                                   spec_token_ids=sched.spec_token_ids)
+        sampled = self._sample(step, sched.spec_token_ids)
         outputs: list[RequestOutput] = []
-        if self.num_scoring:
-            for seq, scores in step.prompt_logprobs:
-                seq.prompt_logprobs.extend(scores)
-            outputs += [self._finish_scored(seq) for seq in step.prompts_done]
-        if not samplers:
-            return outputs
-        requests = [self._sample_request(s) for s in samplers]
-        if self.num_constrained:
-            for seq, request in zip(samplers, requests):
-                if seq.matcher is not None:
-                    request.allowed_ids = self.structured_outputs.allowed_tokens(seq.matcher)
-        results = sample_batch(step.logits, requests)
-        now = time.time()
-        for seq, result in zip(samplers, results):
-            new_ids = [result.token_id]
-            seq.token_ids.append(result.token_id)
-            self.generation_tokens += 1
-            if seq.first_token_time is None:
-                seq.first_token_time = now
+        for update in self.scheduler.update_from_output(sched, step, sampled):
+            seq = update.seq
+            self.generation_tokens += len(update.new_token_ids)
+            if update.first_token:
                 self.prompt_tokens += seq.num_prompt_tokens
-            if result.logprobs is not None:
-                seq.logprobs.append(result.logprobs)
-            check_stop(seq, result.token_id, self.tokenizer.eos_token_ids, self.max_model_len)
-            if seq.matcher is not None:
-                # the one place a constrained request's state moves on: its matcher takes the token;
-                # a finished grammar (only EOS left) ends the request even under ignore_eos
-                seq.matcher.consume_token(result.token_id)
-                if seq.finish_reason is None and seq.matcher.is_stopped():
-                    seq.finish_reason = "stop"
             if seq.finish_reason is not None:
-                seq.finished_time = now
                 del self.requests[seq.request_id]
-                self._retire(seq)
-            outputs.append(make_output(seq, new_ids))
+                self._forget(seq)
+            outputs.append(make_output(seq, update.new_token_ids))
         return outputs
 
-    def _finish_scored(self, seq: Sequence) -> RequestOutput:
-        """A max_tokens=0 request whose prompt is now scored: done, with no output tokens."""
-        seq.finish_reason = "length"
-        seq.first_token_time = seq.finished_time = time.time()
-        self.prompt_tokens += seq.num_prompt_tokens
-        del self.requests[seq.request_id]
-        self._retire(seq)
-        return make_output(seq, [])
+    def _sample(self, step, spec_token_ids: dict[str, list[int]]) -> dict[str, list[SampleResult]]:
+        """Each sampling request's tokens: one sampled token, or a speculating request's verified run."""
+        sampled: dict[str, list[SampleResult]] = {}
+        plain: list[tuple[Sequence, int]] = []  # (sequence, its logits row)
+        row = 0
+        for seq, n in zip(step.samplers, step.num_rows):
+            drafts = spec_token_ids.get(seq.request_id)
+            if drafts:
+                sampled[seq.request_id] = self._verify(seq, step.logits[row : row + n], drafts)
+            else:
+                plain.append((seq, row))
+            row += n
+        if plain:
+            requests = [self._sample_request(seq) for seq, _ in plain]
+            if self.num_constrained:
+                for (seq, _), request in zip(plain, requests):
+                    if seq.matcher is not None:
+                        request.allowed_ids = self.structured_outputs.allowed_tokens(seq.matcher)
+            logits = step.logits if len(plain) == row else step.logits[[r for _, r in plain]]
+            for seq, result in zip((s for s, _ in plain), sample_batch(logits, requests)):
+                sampled[seq.request_id] = [result]
+        return sampled
 
-    def _sample_request(self, seq: Sequence) -> SampleRequest:
+    def _verify(self, seq: Sequence, logits: torch.Tensor, drafts: list[int]) -> list[SampleResult]:
+        """Row i of `logits` follows the last known token and drafts[:i]: keep drafts while the target
+        accepts them, then the target's own token (a correction, or a bonus token after all K).
+
+        Each row is sampled as it would be without speculation, given the tokens before it:
+        penalties and min_tokens count the accepted drafts, and a grammar's mask is computed after
+        the matcher took them (then rolled back: update_from_output consumes the tokens for good).
+        """
+        results: list[SampleResult] = []
+        consumed = 0
+        try:
+            for i in range(len(drafts) + 1):
+                request = self._sample_request(seq, [r.token_id for r in results])
+                if seq.matcher is not None:
+                    request.allowed_ids = self.structured_outputs.allowed_tokens(seq.matcher)
+                draft = drafts[i] if i < len(drafts) else None
+                result = verify_row(logits[i], request, draft)
+                results.append(result)
+                if result.token_id != draft:
+                    break
+                if seq.matcher is not None:
+                    seq.matcher.consume_token(draft)
+                    consumed += 1
+                    if seq.matcher.is_stopped():
+                        break
+        finally:
+            if consumed:
+                seq.matcher.rollback(consumed)
+        return results
+
+    def _sample_request(self, seq: Sequence, accepted: list[int] | None = None) -> SampleRequest:
+        """What the sampler needs for `seq`'s next token, after `accepted` draft tokens (if any)."""
         p = seq.params
+        output_ids = seq.output_token_ids + accepted if accepted else seq.output_token_ids
         blocked: list[int] = []
-        if seq.num_output_tokens < p.min_tokens:
+        if len(output_ids) < p.min_tokens:
             blocked = list(p.stop_token_ids) + ([] if p.ignore_eos else self.tokenizer.eos_token_ids)
-        return SampleRequest(p, seq.generator, seq.prompt_token_ids, seq.output_token_ids, blocked)
+        return SampleRequest(p, seq.generator, seq.prompt_token_ids, output_ids, blocked)
 
     # ---- statistics -------------------------------------------------------------------
     def stats(self) -> EngineStats:
@@ -303,21 +360,8 @@ class LLMEngine(EngineFrontend):
             prompt_tokens=self.prompt_tokens,
             generation_tokens=self.generation_tokens,
             peak_kv_blocks_used=self.kv.peak_used_blocks,
+            spec_decode=self.spec_stats.to_dict() if self.spec_stats is not None else None,
         )
-
-
-def check_stop(seq: Sequence, token: int, eos_token_ids: list[int], max_model_len: int) -> None:
-    """After `token` was appended: set seq.finish_reason if the request is done (vLLM's order)."""
-    p = seq.params
-    stop_string_hit = seq.detokenizer.add_token(token)
-    if not p.ignore_eos and token in eos_token_ids:
-        seq.finish_reason = "stop"
-    elif token in p.stop_token_ids:
-        seq.finish_reason, seq.stop_reason = "stop", token
-    elif stop_string_hit:
-        seq.finish_reason, seq.stop_reason = "stop", seq.detokenizer.stop_reason
-    elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= max_model_len:
-        seq.finish_reason = "length"
 
 
 def make_output(seq: Sequence, new_ids: list[int]) -> RequestOutput:

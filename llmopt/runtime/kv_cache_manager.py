@@ -148,6 +148,19 @@ class KVCacheManager:
                 self.cached_blocks[block_hash] = block.block_id
         seq.num_cached_blocks = num_full
 
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Free the blocks of `seq` past those that hold its first `num_tokens` tokens (slots reserved
+        for draft tokens that were not proposed or not accepted). They hold no registered block, so
+        they go to the front of the free queue: nothing is lost by reusing them first."""
+        keep = self.blocks_needed(num_tokens)
+        while len(seq.block_table) > keep:
+            block_id = seq.block_table.pop()
+            block = self.blocks[block_id]
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self.free_queue[block_id] = None
+                self.free_queue.move_to_end(block_id, last=False)
+
     def free(self, seq: Sequence) -> None:
         """Release a sequence's blocks (finished, aborted or preempted)."""
         # tail blocks first, so they are evicted before the shared prefix blocks

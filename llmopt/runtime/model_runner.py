@@ -46,8 +46,11 @@ SCORE_ROWS = 256  # prompt positions per vocabulary projection when scoring a pr
 
 @dataclass
 class RunnerOutput:
-    logits: torch.Tensor  # [len(samplers), vocab]
+    logits: torch.Tensor  # [sum(num_rows), vocab]
     samplers: list[Sequence]  # the sequences that sample a token this step, in logits' row order
+    # logits rows per sampler: 1, or 1 + its draft tokens for a speculating request (one row per
+    # position it verifies)
+    num_rows: list[int] = field(default_factory=list)
     # (sequence, {token: logprob} per newly scored prompt position, in order) for prompt_logprobs requests
     prompt_logprobs: list[tuple[Sequence, list[dict[int, float]]]] = field(default_factory=list)
     prompts_done: list[Sequence] = field(default_factory=list)  # max_tokens=0 requests whose prompt is scored
@@ -144,7 +147,8 @@ class ModelRunner:
         return torch.tensor(rows, device=self.device)
 
     @torch.inference_mode()
-    def execute(self, scheduled: list[tuple[Sequence, int]], score_prompts: bool = False) -> RunnerOutput:
+    def execute(self, scheduled: list[tuple[Sequence, int]], score_prompts: bool = False,
+                spec_token_ids: dict[str, list[int]] | None = None) -> RunnerOutput:
         """Run one step; return logits [n, vocab] for the sequences that now sample, and those sequences.
 
         A sequence samples when this step computes its last known token (a decode, or the
@@ -152,13 +156,16 @@ class ModelRunner:
         `score_prompts` (some request in the step may want prompt logprobs): also score the
         prompt positions this step computes for such requests, and leave requests with
         max_tokens=0 out of sampling (their prompt is all they asked for).
+        `spec_token_ids`: draft tokens per request id; such a request's n scheduled tokens are its
+        last known token and n - 1 drafts, and all n rows are returned (each verifies the next).
         """
+        spec_token_ids = spec_token_ids or {}
         decodes = [(s, n) for s, n in scheduled if n == 1]
         prefills = [(s, n) for s, n in scheduled if n > 1]
         ids: list[int] = []
         positions: list[int] = []
         slot_mapping: list[int] = []
-        sample_rows: list[int] = []
+        sample_rows: list[list[int]] = []
         samplers: list[Sequence] = []
 
         for seq, _ in decodes:
@@ -172,19 +179,23 @@ class ModelRunner:
             decode_tables = self._padded_block_tables([s.block_table for s, _ in decodes], decode_lens)
             for row, (seq, _) in enumerate(decodes):
                 if seq.num_computed_tokens + 1 == seq.num_tokens:
-                    sample_rows.append(row)
+                    sample_rows.append([row])
                     samplers.append(seq)
 
         prefill_meta = []
         for seq, n in prefills:
             start, ctx = len(ids), seq.num_computed_tokens
-            ids.extend(seq.token_ids[ctx : ctx + n])
+            drafts = spec_token_ids.get(seq.request_id)
+            ids.extend((seq.token_ids[ctx:] + drafts)[:n] if drafts else seq.token_ids[ctx : ctx + n])
             positions.extend(range(ctx, ctx + n))
             slot_mapping.extend(self._slots(seq, ctx, ctx + n))
             slots = torch.tensor(self._slots(seq, 0, ctx + n), device=self.device)
             prefill_meta.append((start, start + n, slots, ctx))
-            if ctx + n == seq.num_tokens:
-                sample_rows.append(start + n - 1)
+            if drafts:
+                sample_rows.append(list(range(start, start + n)))
+                samplers.append(seq)
+            elif ctx + n == seq.num_tokens:
+                sample_rows.append([start + n - 1])
                 samplers.append(seq)
 
         self.attn.metadata = StepMetadata(
@@ -216,11 +227,12 @@ class ModelRunner:
             prompts_done = [seq for seq in samplers if seq.params.max_tokens == 0]
             keep = [i for i, seq in enumerate(samplers) if seq.params.max_tokens > 0]
             sample_rows, samplers = [sample_rows[i] for i in keep], [samplers[i] for i in keep]
-        if sample_rows:
-            logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
+        flat_rows = [r for rows in sample_rows for r in rows]
+        if flat_rows:
+            logits = self.model.compute_logits(hidden[torch.tensor(flat_rows, device=self.device)])
         else:
             logits = torch.empty(0, self.model.config.vocab_size)
-        return RunnerOutput(logits, samplers, prompt_scores, prompts_done)
+        return RunnerOutput(logits, samplers, [len(rows) for rows in sample_rows], prompt_scores, prompts_done)
 
     def _score_prompt(self, hidden: torch.Tensor, seq: Sequence, start: int, n: int) -> list[dict[int, float]]:
         """{token: logprob} (the prompt token, then the top `prompt_logprobs`) for each prompt position

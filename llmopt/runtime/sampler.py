@@ -92,6 +92,43 @@ class SampleResult:
     logprobs: dict[int, float] | None = None
 
 
+def _prepare_row(row_logits: torch.Tensor, req: SampleRequest) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits to sample from, logits whose log-softmax is reported) for one row: penalties, blocked
+    tokens, then a grammar's mask."""
+    p = req.params
+    raw_logits = row_logits
+    if p.uses_penalties:
+        row_logits = apply_penalties(row_logits, p, req.prompt_ids, req.output_ids)
+    if req.blocked_ids:
+        row_logits = row_logits.clone()
+        row_logits[req.blocked_ids] = float("-inf")
+    # logprobs describe the model's distribution (after penalties) before a grammar's mask, as vLLM's
+    # default does; the masked one has -inf everywhere the grammar forbids
+    scored_logits = row_logits
+    if req.allowed_ids is not None:
+        forbidden = ~req.allowed_ids.to(row_logits.device)
+        masked = row_logits.masked_fill(forbidden, float("-inf"))
+        if not bool(torch.isfinite(masked).any()):
+            # min_tokens blocked the grammar's only way on (EOS): the grammar wins
+            scored_logits = raw_logits
+            masked = scored_logits.masked_fill(forbidden, float("-inf"))
+        row_logits = masked
+    return row_logits, scored_logits
+
+
+def _logprobs(scored_logits: torch.Tensor, token: int, n: int | None) -> dict[int, float] | None:
+    """{token: logprob} for the chosen token and the top n, as vLLM reports them."""
+    if n is None:
+        return None
+    lp = torch.log_softmax(scored_logits, dim=-1)
+    logprobs = {token: float(lp[token])}
+    if n > 0:
+        top = torch.topk(lp, n)
+        for tid, val in zip(top.indices.tolist(), top.values.tolist()):
+            logprobs.setdefault(tid, val)
+    return logprobs
+
+
 def sample_batch(logits: torch.Tensor, requests: list[SampleRequest]) -> list[SampleResult]:
     """logits [batch, vocab] -> one result per row."""
     logits = logits.float()
@@ -100,38 +137,41 @@ def sample_batch(logits: torch.Tensor, requests: list[SampleRequest]) -> list[Sa
     results: list[SampleResult] = []
     for row, req in enumerate(requests):
         p = req.params
-        row_logits = logits[row]
-        if p.uses_penalties:
-            row_logits = apply_penalties(row_logits, p, req.prompt_ids, req.output_ids)
-        if req.blocked_ids:
-            row_logits = row_logits.clone()
-            row_logits[req.blocked_ids] = float("-inf")
-        # logprobs describe the model's distribution (after penalties) before a grammar's mask, as vLLM's
-        # default does; the masked one has -inf everywhere the grammar forbids
-        scored_logits = row_logits
-        if req.allowed_ids is not None:
-            forbidden = ~req.allowed_ids.to(row_logits.device)
-            masked = row_logits.masked_fill(forbidden, float("-inf"))
-            if not bool(torch.isfinite(masked).any()):
-                # min_tokens blocked the grammar's only way on (EOS): the grammar wins
-                scored_logits = logits[row]
-                masked = scored_logits.masked_fill(forbidden, float("-inf"))
-            row_logits = masked
-        if p.greedy:
-            token = greedy_ids[row] if greedy_ids is not None else int(row_logits.argmax())
-        else:
-            token = draw(filtered_probs(row_logits, p), req.generator)
-        logprobs = None
-        if p.logprobs is not None:
-            # logprobs of the model's distribution (after penalties), as vLLM reports them
-            lp = torch.log_softmax(scored_logits, dim=-1)
-            logprobs = {token: float(lp[token])}
-            if p.logprobs > 0:
-                top = torch.topk(lp, p.logprobs)
-                for tid, val in zip(top.indices.tolist(), top.values.tolist()):
-                    logprobs.setdefault(tid, val)
-        results.append(SampleResult(token, logprobs))
+        if plain and p.greedy:  # the batched argmax: no per-row work at all
+            results.append(SampleResult(greedy_ids[row], _logprobs(logits[row], greedy_ids[row], p.logprobs)))
+            continue
+        results.append(verify_row(logits[row], req, None))
     return results
+
+
+def verify_row(row_logits: torch.Tensor, req: SampleRequest, draft: int | None) -> SampleResult:
+    """The target's token at one position, given a proposed `draft` token (None: plain sampling).
+
+    Greedy: the target's argmax (the draft is accepted iff they agree). Sampling: the draft is
+    accepted with the target's probability of it, else a token is drawn from the target's
+    distribution without it, renormalised. Both proposers guess one token (a point mass q), so
+    this is Leviathan et al.'s rule min(1, p/q) with q one-hot: each token comes out with exactly
+    the target's probability p, proposal or not.
+    """
+    p = req.params
+    row_logits, scored_logits = _prepare_row(row_logits.float(), req)
+    if p.greedy:
+        token = int(row_logits.argmax())
+    else:
+        probs = filtered_probs(row_logits, p)
+        token = -1
+        if draft is not None:
+            u = float(torch.rand((), generator=req.generator, dtype=torch.float64))
+            if u < float(probs[draft]):
+                token = draft
+            else:
+                probs = probs.clone()
+                probs[draft] = 0.0
+                if not float(probs.sum()) > 0:  # rounding left nothing else: the draft was certain
+                    token = draft
+        if token < 0:
+            token = draw(probs, req.generator)
+    return SampleResult(token, _logprobs(scored_logits, token, p.logprobs))
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[int]:

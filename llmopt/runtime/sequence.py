@@ -46,6 +46,10 @@ class Sequence:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: str | int | None = None  # the stop string or stop token that ended it
     num_preemptions: int = 0
+    # speculative decoding: proposals verified, tokens proposed, tokens accepted
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
