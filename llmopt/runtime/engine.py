@@ -376,6 +376,7 @@ def make_output(seq: Sequence, new_ids: list[int]) -> RequestOutput:
         new_text=seq.detokenizer.new_text(finished=finished),
         new_token_ids=new_ids,
     )
-    metrics = RequestMetrics(seq.arrival_time, seq.first_scheduled_time, seq.first_token_time, seq.finished_time)
+    metrics = RequestMetrics(seq.arrival_time, seq.first_scheduled_time, seq.first_token_time, seq.finished_time,
+                             seq.spec_num_drafts, seq.spec_num_draft_tokens, seq.spec_num_accepted_tokens)
     return RequestOutput(seq.request_id, seq.prompt, seq.prompt_token_ids, [completion], finished, metrics,
                          num_cached_tokens=seq.num_cached_tokens, prompt_logprobs=seq.prompt_logprobs)

@@ -11,6 +11,10 @@ class RequestMetrics:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
+    # speculative decoding: proposals verified for this request, tokens proposed, tokens accepted
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
 
     @property
     def time_to_first_token(self) -> float | None:
@@ -33,6 +37,9 @@ class RequestMetrics:
             "time_to_first_token_s": self.time_to_first_token,
             "queue_time_s": self.queue_time,
             "e2e_latency_s": self.e2e_latency,
+            "spec_num_drafts": self.spec_num_drafts,
+            "spec_num_draft_tokens": self.spec_num_draft_tokens,
+            "spec_num_accepted_tokens": self.spec_num_accepted_tokens,
         }
 
 
