@@ -12,27 +12,18 @@ from pathlib import Path
 import typer
 
 from llmopt.cli.common import (
-    BLOCK_SIZE,
-    DEVICE,
-    DTYPE,
     EXIT_GATE_FAILED,
-    GPU_MEMORY_UTILIZATION,
-    KV_CACHE_DTYPE,
-    KV_CACHE_MEMORY,
-    MAX_MODEL_LEN,
-    MAX_NUM_BATCHED_TOKENS,
-    MAX_NUM_SEQS,
-    PREFIX_CACHING,
     console,
-    engine_config,
     err_console,
     handles_errors,
     print_json,
 )
+from llmopt.cli.engine_args import EngineArgs, engine_options
 from llmopt.errors import LlmoptError
 
 
 @handles_errors
+@engine_options()
 def eval_command(
     model: str = typer.Argument(..., help="The candidate: 'default', a model folder, a .gguf file or a hub id."),
     baseline: str | None = typer.Option(None, "--baseline", "-b", help="The reference model (e.g. the unquantized one)."),
@@ -69,16 +60,7 @@ def eval_command(
     timeout: float | None = typer.Option(None, "--timeout", help="Sandbox wall time per program, seconds (default: 5)."),
     use_cache: bool = typer.Option(True, "--cache/--no-cache", help="Reuse and store baseline results under "
                                    "$LLMOPT_CACHE/eval."),
-    max_num_seqs: int = MAX_NUM_SEQS,
-    max_num_batched_tokens: int = MAX_NUM_BATCHED_TOKENS,
-    max_model_len: int | None = MAX_MODEL_LEN,
-    block_size: int = BLOCK_SIZE,
-    enable_prefix_caching: bool = PREFIX_CACHING,
-    kv_cache_memory: str | None = KV_CACHE_MEMORY,
-    kv_cache_dtype: str = KV_CACHE_DTYPE,
-    gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION,
-    dtype: str = DTYPE,
-    device: str = DEVICE,
+    engine_args: EngineArgs = EngineArgs(),
 ) -> None:
     """Score MODEL (and --baseline) on ppl/kld/mmlu/humaneval and judge quality gates: exit 1 if one fails
     significantly (with --strict, also if one is inconclusive)."""
@@ -104,9 +86,9 @@ def eval_command(
              "temperature": temperature, "seed": seed, "pass_k": pass_k, "humaneval_max_tokens": humaneval_max_tokens,
              "timeout": timeout}
     settings = resolve_settings(flags, load_recipe(recipe) if recipe else None, has_baseline=baseline is not None)
-    engine = engine_config(max_num_seqs, max_num_batched_tokens, max_model_len, block_size, enable_prefix_caching,
-                           kv_cache_memory, gpu_memory_utilization, kv_cache_dtype)
-    options = RunOptions(dtype=dtype, device=device, engine=asdict(engine), use_cache=use_cache)
+    engine = engine_args.engine_config()
+    options = RunOptions(dtype=engine_args.dtype, device=engine_args.device, engine=asdict(engine),
+                         use_cache=use_cache)
     report = run_eval(EvalRequest(model=model, baseline=baseline, settings=settings, options=options))
 
     doc = build_document(report)

@@ -31,7 +31,9 @@ WHAT_INSTEAD = {name: "use response_format or structured_outputs" for name in UN
                 if name.startswith("guided_")}
 
 
-class _Request(BaseModel):
+class SamplingRequest(BaseModel):
+    """What chat and completions requests share: the model, sampling and output-format fields."""
+
     # OpenAI clients send fields we do not use (user, metadata, ...): accept them (`ignored_fields`
     # names them for a warning); the known ones we cannot honour are refused (`check_supported`)
     model_config = ConfigDict(extra="allow")
@@ -43,7 +45,7 @@ class _Request(BaseModel):
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=-1)
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)  # torch's range, as vLLM
     stop: Union[str, list[str], None] = None
     n: int = Field(default=1, ge=1, le=MAX_N)
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
@@ -155,7 +157,7 @@ class ChatMessage(BaseModel):
         return "".join(parts)
 
 
-class ChatCompletionRequest(_Request):
+class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
@@ -167,7 +169,7 @@ class ChatCompletionRequest(_Request):
         return [{"role": m.role, "content": m.text()} for m in self.messages]
 
 
-class CompletionRequest(_Request):
+class CompletionRequest(SamplingRequest):
     prompt: Union[str, list[str], list[int], list[list[int]]]
     # 0 is allowed here: with echo (or prompt_logprobs) it scores the prompt alone
     max_tokens: int | None = Field(default=None, ge=0)
@@ -207,6 +209,30 @@ class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
     model: str | None = None
     tokens: list[int]
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error object: what every refusal answers."""
+
+    error: ErrorInfo
+
+
+# the refusals every generating route can answer, for the OpenAPI document (`responses=`)
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    400: {"model": ErrorResponse, "description": "Invalid request: a malformed body, a field out of range, a "
+          "field llmopt cannot honour, or a prompt longer than the context"},
+    401: {"model": ErrorResponse, "description": "Missing or wrong API key (servers started with --api-key)"},
+    404: {"model": ErrorResponse, "description": "The model named is not the one served"},
+    413: {"model": ErrorResponse, "description": "The request body is over the size limit"},
+    503: {"model": ErrorResponse, "description": "Too many requests waiting; retry after the Retry-After header"},
+}
 
 
 class RequestError(Exception):
