@@ -95,8 +95,10 @@ async def _on_validation_error(_request: Request, exc: RequestValidationError) -
 
 
 def validation_refusal(errors: Any) -> RequestError:
-    """The first of FastAPI's validation errors as our refusal."""
-    first = errors[0] if errors else {}
+    """FastAPI's validation errors as one refusal: the most specific error (the deepest: a union such
+    as `prompt` lists one error per member type, the deepest says what was wrong), `param` naming
+    the request's field."""
+    first = max(errors, key=lambda e: len(e.get("loc", ())), default={})
     loc = [str(p) for p in first.get("loc", ())]
     where = loc[1:] if loc[:1] == ["body"] else loc
     if first.get("type") == "json_invalid":  # loc: ("body", position)
@@ -104,8 +106,7 @@ def validation_refusal(errors: Any) -> RequestError:
         return RequestError(f"request body is not valid JSON: {reason} at position {where[0] if where else 0}")
     if not where:  # the body itself: missing, or not an object
         return RequestError("request body must be a JSON object")
-    param = ".".join(where)
-    return RequestError(f"{param}: {first.get('msg', 'invalid value')}", param=param)
+    return RequestError(f"{'.'.join(where)}: {first.get('msg', 'invalid value')}", param=where[0])
 
 
 async def _on_http_exception(_request: Request, exc: HTTPException) -> JSONResponse:
