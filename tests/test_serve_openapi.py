@@ -56,6 +56,10 @@ def fuzz(app, max_examples: int) -> tuple[int, list[str]]:
 def test_openapi_documents_every_body_and_the_error_answers(app):
     from starlette.testclient import TestClient
 
+    from llmopt.runtime.serving_engine import ServingEngine
+
+    assert isinstance(app.state.serving.engine, ServingEngine)
+
     with TestClient(app) as http:
         doc = http.get("/openapi.json").json()
     schemas = doc["components"]["schemas"]
