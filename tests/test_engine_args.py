@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import assert_usage_error, run_cli
+from conftest import assert_usage_error
 from llmopt.cli.engine_args import EngineArgs
 from llmopt.core import load
 from llmopt.runtime import LLM, AsyncLLM, EngineConfig, LLMEngine

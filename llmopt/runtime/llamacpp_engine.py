@@ -164,7 +164,8 @@ class LlamaCppEngine(EngineFrontend):
     def _run(self, seq: Sequence) -> None:
         p = seq.params
         seq.first_scheduled_time = time.time()
-        self.llm.set_seed(p.seed if p.seed is not None else random.randrange(2**31))
+        # llama.cpp's sampler seed is 32-bit; SamplingParams allows torch's 64-bit range
+        self.llm.set_seed(p.seed % 2**32 if p.seed is not None else random.randrange(2**31))
         blocked = list(p.stop_token_ids) + ([] if p.ignore_eos else self.tokenizer.eos_token_ids)
 
         def suppress_early_stops(_ids: np.ndarray, scores: np.ndarray) -> np.ndarray:

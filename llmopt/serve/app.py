@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import logging
 import secrets
 from collections.abc import AsyncIterator
 from typing import Any
@@ -33,8 +32,6 @@ from llmopt.serve.routes import chat, completions, health, models
 from llmopt.serve.serving import ServeConfig, Serving
 
 __all__ = ["ServeConfig", "build_app"]
-
-logger = logging.getLogger("llmopt.serve")
 
 
 def build_app(engine: ServingEngine, config: ServeConfig) -> FastAPI:
