@@ -6,13 +6,18 @@ import json
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
 
 from llmopt.cli.common import err_console, handles_errors, print_json
 from llmopt.cli.engine_args import EngineArgs, engine_options
 from llmopt.errors import LlmoptError
+
+if TYPE_CHECKING:
+    from llmopt.runtime import SamplingParams
+    from llmopt.runtime.outputs import RequestOutput
+    from llmopt.runtime.serving_engine import ServingEngine
 
 
 def read_prompts_file(path: Path) -> list[Any]:
@@ -150,7 +155,7 @@ def generate(
         raise typer.Exit(2)
 
 
-def _generate_llamacpp(engine, requests: list[Any], params) -> list:
+def _generate_llamacpp(engine: ServingEngine, requests: list[Any], params: SamplingParams) -> list[RequestOutput]:
     """Final outputs of each request through the llama.cpp engine (it serves them in order)."""
     import asyncio
 
