@@ -6,6 +6,7 @@ makes them fail too), 1 = a gate failed (its whole 95% CI beyond the bound), 2 =
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict
 from pathlib import Path
 
@@ -34,7 +35,9 @@ from llmopt.errors import LlmoptError
 
 @handles_errors
 def eval_command(
-    model: str = typer.Argument(..., help="The candidate: 'default', a model folder, a .gguf file or a hub id."),
+    model: str | None = typer.Argument(None, help="The candidate: 'default', a model folder, a .gguf file or a hub id. "
+                                       "With --base-url: the model the endpoint serves, for its tokenizer only "
+                                       "(default: the baseline's)."),
     baseline: str | None = typer.Option(None, "--baseline", "-b", help="The reference model (e.g. the unquantized one)."),
     tasks: str | None = typer.Option(None, "--tasks", "-t", help="Comma-separated: ppl, kld, mmlu, humaneval "
                                      "(default: ppl,kld,mmlu; kld only with --baseline)."),
@@ -67,6 +70,18 @@ def eval_command(
     pass_k: str | None = typer.Option(None, "--pass-k", help="k values for pass@k, e.g. 1,10 (default: 1)."),
     humaneval_max_tokens: int | None = typer.Option(None, "--humaneval-max-tokens", help="Tokens per completion (default: 384)."),
     timeout: float | None = typer.Option(None, "--timeout", help="Sandbox wall time per program, seconds (default: 5)."),
+    base_url: str | None = typer.Option(None, "--base-url", help="Evaluate the model served at this OpenAI-compatible "
+                                        "URL (llmopt serve, vLLM, ...) instead of a local one: ppl, kld and mmlu through "
+                                        "/v1/completions with echo + logprobs, after a probe of its prompt logprobs."),
+    api_key: str | None = typer.Option(None, "--api-key", help="--base-url's bearer key (default: $OPENAI_API_KEY, "
+                                       "else $LLMOPT_API_KEY)."),
+    served_model_name: str | None = typer.Option(None, "--served-model-name", help="--base-url: the model name to "
+                                                 "send (default: the first id /v1/models lists)."),
+    top_logprobs: int = typer.Option(20, "--top-logprobs", min=1, help="--base-url kld: alternatives per position "
+                                     "(KLD over the top-k + a tail bucket, a lower bound of the full KLD)."),
+    num_concurrent: int = typer.Option(4, "--num-concurrent", min=1, help="--base-url: requests in flight."),
+    add_bos: bool | None = typer.Option(None, "--add-bos/--no-add-bos", help="MMLU: BOS before every context "
+                                        "(default: where the tokenizer adds one, as lm-eval)."),
     use_cache: bool = typer.Option(True, "--cache/--no-cache", help="Reuse and store baseline results under "
                                    "$LLMOPT_CACHE/eval."),
     max_num_seqs: int = MAX_NUM_SEQS,
@@ -106,8 +121,17 @@ def eval_command(
     settings = resolve_settings(flags, load_recipe(recipe) if recipe else None, has_baseline=baseline is not None)
     engine = engine_config(max_num_seqs, max_num_batched_tokens, max_model_len, block_size, enable_prefix_caching,
                            kv_cache_memory, gpu_memory_utilization, kv_cache_dtype)
-    options = RunOptions(dtype=dtype, device=device, engine=asdict(engine), use_cache=use_cache)
-    report = run_eval(EvalRequest(model=model, baseline=baseline, settings=settings, options=options))
+    options = RunOptions(dtype=dtype, device=device, engine=asdict(engine), use_cache=use_cache, add_bos=add_bos)
+    endpoint = None
+    if base_url is not None:
+        from llmopt.eval.endpoint import EndpointConfig
+        from llmopt.openai_http import base_url as normalise_url
+
+        endpoint = EndpointConfig(url=normalise_url(base_url, "--base-url"),
+                                  api_key=api_key or os.environ.get("OPENAI_API_KEY") or os.environ.get("LLMOPT_API_KEY"),
+                                  served_model_name=served_model_name, top_logprobs=top_logprobs,
+                                  num_concurrent=num_concurrent)
+    report = run_eval(EvalRequest(model=model, baseline=baseline, settings=settings, options=options, endpoint=endpoint))
 
     doc = build_document(report)
     if output is not None:

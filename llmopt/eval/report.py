@@ -40,6 +40,8 @@ VERSIONS = {"ppl": 1, "kld": 1, "mmlu": 1, "humaneval": 1}
 
 
 def _model_info(run: ModelRun) -> dict[str, Any]:
+    if run.endpoint is not None:  # a served model: what answered, and whose tokenizer its prompts were made with
+        return {"spec": run.spec, "kind": "endpoint", **run.endpoint, "tokenizer": run.source.spec}
     q = run.source.quantization
     return {"spec": run.spec, "kind": run.source.kind, "path": str(run.source.path),
             "quantization": None if q is None else asdict(q)}
@@ -134,6 +136,11 @@ def build_document(report: EvalReport) -> dict[str, Any]:
                 configs[task] = dict(text_cfg)
                 n_samples[task] = {"original": (data.text.num_tokens or len(data.ids)) - 1,
                                    "effective": cand.text.num_tokens}
+        if "kld" in configs and cand.endpoint is not None:
+            configs["kld"]["candidate_logprobs"] = (
+                f"top {cand.endpoint['top_logprobs']} log-probs per position from the endpoint + the observed token's; "
+                "KLD over those tokens with each side's remaining probability in one tail bucket: a lower bound of "
+                "the full-vocabulary KLD (same top p and Δp exact)")
         if "kld" in configs:
             configs["kld"]["baseline_store"] = ("final hidden states per scored token + the dense vocabulary "
                                                 "projection, float16; the baseline's full-vocabulary rows rebuilt "
