@@ -89,11 +89,16 @@ def test_base_url_against_llmopt_serve_equals_the_in_process_result(tiny_models,
     assert remote["results"]["ppl"]["num_tokens"] == local["results"]["ppl"]["num_tokens"]
     # MMLU: the same four log-likelihoods per question, so the same picks
     assert remote["results"]["mmlu"]["acc"] == local["results"]["mmlu"]["acc"]
-    # KLD from the top-20 + tail bucket: a lower bound of the full KLD, close to it on a 263-token vocabulary;
-    # same top and Δp are exact
+    # KLD from the top-20 + one tail bucket: a lower bound of the full KLD (this random model's flat rows put
+    # most of their mass outside any top 20, so the bound is loose here); same top and Δp are exact
     k_local, k_remote = local["results"]["kld"], remote["results"]["kld"]
-    assert k_remote["mean"] <= k_local["mean"] + 1e-4 and k_remote["mean"] >= 0.5 * k_local["mean"] > 0.01
-    assert abs(k_remote["same_top_p"] - k_local["same_top_p"]) < 1e-9
+    assert 0.01 < k_remote["mean"] <= k_local["mean"] + 1e-6
+    # a bound at every position bounds every order statistic too
+    for key in ("max", "p99", "p90", "median", "p10", "min"):
+        assert k_remote[key] <= k_local[key] + 1e-6, key
+    # same top is exact where the endpoint names its top token by a text one id has (this byte-level vocabulary
+    # has many '\ufffd' pieces, which stay in the tail)
+    assert abs(k_remote["same_top_p"] - k_local["same_top_p"]) <= 0.02
     assert abs(k_remote["delta_p"]["mean"] - k_local["delta_p"]["mean"]) < 1e-4
     assert "lower bound" in remote["configs"]["kld"]["candidate_logprobs"]
 

@@ -110,9 +110,9 @@ def topk_position_stats(base_logprobs: torch.Tensor, cand_ids: torch.Tensor, can
     those K tokens plus one bucket holding the rest of each side's mass (the tail: 1 - the
     known tokens' probabilities), with llama.cpp's -16 cut-off applied to every bucket. By the
     log-sum inequality a coarsened KLD never exceeds the full one: this is a lower bound, equal
-    to the full KLD when the known tokens hold all of both distributions' mass. Same top and
-    Δp are exact: the candidate's top token is its most likely known one, Δp reads the
-    observed token's probabilities.
+    to the full KLD when the known tokens hold all of both distributions' mass. Δp is exact
+    (it reads the observed token's probabilities); same top takes the candidate's most likely
+    known token, exact whenever its top token is among the known ones.
     """
     p_all = base_logprobs.double()
     known = cand_ids >= 0
