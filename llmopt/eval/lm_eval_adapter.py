@@ -32,9 +32,13 @@ DEFAULT_MAX_GEN_TOKS = 256  # lm-eval's default when a task gives none
 class LlmoptLM(LM):
     """A loaded llmopt model (`core.load`) as an lm-eval language model."""
 
-    def __init__(self, loaded, engine: dict[str, Any] | None = None, batch_tokens: int = DEFAULT_BATCH_TOKENS):
+    def __init__(self, loaded, engine: dict[str, Any] | None = None, batch_tokens: int = DEFAULT_BATCH_TOKENS,
+                 add_bos: bool | None = None):
         super().__init__()
+        from llmopt.eval.text import context_bos_id
+
         self.loaded = loaded
+        self.bos_id = context_bos_id(loaded.tokenizer, add_bos)  # lm-eval's add_bos_token (None: the tokenizer's)
         self.engine_config = dict(engine or {})
         self.batch_tokens = batch_tokens
         self._llm = None
@@ -55,7 +59,7 @@ class LlmoptLM(LM):
         pairs = [tuple(req.args) for req in requests]
         if not pairs:
             return []
-        jobs, _ = plan_jobs(self.loaded.tokenizer, pairs, self.max_length)
+        jobs, _ = plan_jobs(self.loaded.tokenizer, pairs, self.max_length, self.bos_id)
         totals, greedy = run_jobs(self.loaded.model, jobs, len(pairs), self.batch_tokens)
         return list(zip(totals, greedy))
 
@@ -103,3 +107,23 @@ class LlmoptLM(LM):
                 text = text.split(stop)[0]
             texts.append(text)
         return texts
+
+
+def evaluate_tasks(loaded, tasks: list[str], *, include_path: str | None = None, num_fewshot: int | None = None,
+                   limit: int | float | None = None, engine: dict[str, Any] | None = None,
+                   add_bos: bool | None = None, log_samples: bool = False) -> dict[str, Any]:
+    """lm-eval's own tasks (and those under `include_path`) on a loaded model: `simple_evaluate`'s output
+    (results, n-shot, higher_is_better, configs, versions, n-samples; samples when `log_samples`)."""
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    from llmopt.errors import LlmoptError
+
+    manager = TaskManager(include_path=include_path)
+    unknown = [t for t in tasks if t not in manager.all_tasks]
+    if unknown:
+        where = f" or under --lm-eval-include-path {include_path}" if include_path else ""
+        raise LlmoptError(f"lm-eval has no task {', '.join(unknown)}{where} (offline, a hub-backed task also needs "
+                          "its data in the datasets cache)")
+    return simple_evaluate(model=LlmoptLM(loaded, engine=engine, add_bos=add_bos), tasks=tasks, task_manager=manager,
+                           num_fewshot=num_fewshot, limit=limit, log_samples=log_samples)
