@@ -82,16 +82,16 @@ def test_base_url_against_llmopt_serve_equals_the_in_process_result(tiny_models,
     assert code == 0, err
     code, remote, err = _eval("--base-url", served + "/v1", *common)
     assert code == 0, err
-    assert remote["model"]["kind"] == "endpoint" and remote["model"]["tokenizer"] == str(tiny_models["llama"])
-    ppl_local, ppl_remote = local["results"]["ppl"]["ppl"], remote["results"]["ppl"]["ppl"]
-    assert ppl_local > 1.5 * local["baseline_results"]["ppl"]["ppl"]  # the noise shows
+    assert remote["llmopt"]["model"]["kind"] == "endpoint" and remote["llmopt"]["model"]["tokenizer"] == str(tiny_models["llama"])
+    ppl_local, ppl_remote = local["results"]["ppl"]["ppl,none"], remote["results"]["ppl"]["ppl,none"]
+    assert ppl_local > 1.5 * local["llmopt"]["baseline_results"]["ppl"]["ppl"]  # the noise shows
     assert abs(ppl_remote - ppl_local) <= 1e-3 * ppl_local, (ppl_local, ppl_remote)
-    assert remote["results"]["ppl"]["num_tokens"] == local["results"]["ppl"]["num_tokens"]
+    assert remote["n-samples"]["ppl"] == local["n-samples"]["ppl"]
     # MMLU: the same four log-likelihoods per question, so the same picks
-    assert remote["results"]["mmlu"]["acc"] == local["results"]["mmlu"]["acc"]
+    assert remote["results"]["mmlu"]["acc,none"] == local["results"]["mmlu"]["acc,none"]
     # KLD from the top-20 + one tail bucket: a lower bound of the full KLD (this random model's flat rows put
     # most of their mass outside any top 20, so the bound is loose here); same top and Δp are exact
-    k_local, k_remote = local["results"]["kld"], remote["results"]["kld"]
+    k_local, k_remote = local["llmopt"]["results"]["kld"], remote["llmopt"]["results"]["kld"]
     assert 0.01 < k_remote["mean"] <= k_local["mean"] + 1e-6
     # a bound at every position bounds every order statistic too
     for key in ("max", "p99", "p90", "median", "p10", "min"):
@@ -219,7 +219,7 @@ def test_a_healthy_fake_server_passes_the_probe_and_scores_like_the_model(tiny_m
     code, local, err = _eval(str(tiny_models["llama"]), "--tasks", "ppl", "--text", str(files["text"]),
                              "--ctx-size", "64")
     assert code == 0, err
-    assert math.isclose(remote["results"]["ppl"]["ppl"], local["results"]["ppl"]["ppl"], rel_tol=1e-4)
+    assert math.isclose(remote["results"]["ppl"]["ppl,none"], local["results"]["ppl"]["ppl,none"], rel_tol=1e-4)
 
 
 def _llama_cpp_runs() -> str | None:

@@ -191,7 +191,7 @@ def test_cli_lm_eval_tasks_from_an_include_path_equal_the_built_in_mmlu(model, t
     code, err, out = run_cli("eval", spec, "--tasks", "mmlu", "--mmlu-path", str(tmp_path / "mmlu.jsonl"),
                              "--no-cache", "--json")
     assert code == 0, err
-    assert json.loads(out)["results"]["mmlu"]["acc"] == pytest.approx(entry["acc,none"])
+    assert json.loads(out)["results"]["mmlu"]["acc,none"] == pytest.approx(entry["acc,none"])
 
 
 def test_cli_unknown_lm_eval_task_is_one_line(model, tmp_path):

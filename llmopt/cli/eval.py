@@ -164,15 +164,15 @@ def eval_command(
     if lm_tasks:  # after the built-in tasks, so that a bad gate or data file fails before lm-eval's long run
         lm_doc = _run_lm_eval(model, lm_tasks, lm_eval_include_path, settings.num_fewshot or None, limit, add_bos,
                               dtype, device, None, log_samples and output is not None, samples_dir=output)
-        for key in ("results", "configs", "versions", "n-samples"):
+        for key in ("results", "groups", "configs", "versions", "n-shot", "higher_is_better", "n-samples"):
             doc.setdefault(key, {}).update(lm_doc.get(key, {}))
-        for key in ("n-shot", "higher_is_better"):
-            doc[key] = lm_doc.get(key, {})
+        if "lm_eval_samples_files" in lm_doc:
+            doc["llmopt"]["lm_eval_samples_files"] = lm_doc["lm_eval_samples_files"]
     if output is not None:
         if log_samples:
             path = samples_path(output)
             write_samples(report, path)
-            doc["samples_file"] = str(path)
+            doc["llmopt"]["samples_file"] = str(path)
         write_json(doc, output)
     screen = err_console if json_output else console
     screen.print(render_table(doc))

@@ -77,6 +77,44 @@ def task_results(run: ModelRun) -> tuple[dict[str, Any], dict[str, Any]]:
     return results, groups
 
 
+HIGHER_IS_BETTER = {"ppl": {"ppl": False, "nll": False}, "mmlu": {"acc": True}}
+
+
+def lm_eval_results(run: ModelRun) -> tuple[dict[str, Any], dict[str, Any], dict[str, dict[str, bool]]]:
+    """(results, groups, higher_is_better) in lm-eval's schema: per task {"alias", "<metric>,none",
+    "<metric>_stderr,none"} ("N/A" where a stderr is undefined); KLD's whole llama.cpp summary flattened
+    (delta_p's as delta_p_<stat>)."""
+    def entry(alias: str, metrics: dict[str, Any]) -> dict[str, Any]:
+        out: dict[str, Any] = {"alias": alias}
+        for name, value in metrics.items():
+            out[f"{name},none"] = "N/A" if value is None and name.endswith("_stderr") else value
+        return out
+
+    detailed, _ = task_results(run)
+    results: dict[str, Any] = {}
+    groups: dict[str, Any] = {}
+    better: dict[str, dict[str, bool]] = {}
+    if "ppl" in detailed:
+        p = detailed["ppl"]
+        results["ppl"] = entry("ppl", {k: p[k] for k in ("ppl", "ppl_stderr", "nll", "nll_stderr")})
+        better["ppl"] = dict(HIGHER_IS_BETTER["ppl"])
+    if "kld" in detailed:
+        k = dict(detailed["kld"])
+        flat = {name: value for name, value in k.items() if name not in ("delta_p", "num_tokens")}
+        flat.update({f"delta_p_{name}": value for name, value in k["delta_p"].items()})
+        results["kld"] = entry("kld", flat)
+        better["kld"] = {name: name.startswith("same_top_p") for name in flat if not name.endswith("_stderr")}
+    if run.mmlu is not None:
+        results.update(run.mmlu.lm_eval_results())
+        groups = {name: results[name] for name in ("mmlu", *(f"mmlu_{g}" for g in run.mmlu.groups))}
+        better.update({name: dict(HIGHER_IS_BETTER["mmlu"]) for name in results if name.startswith("mmlu")})
+    if "humaneval" in detailed:
+        h = detailed["humaneval"]
+        results["humaneval"] = entry("humaneval", {k: v for k, v in h.items() if k.startswith("pass@")})
+        better["humaneval"] = {k: True for k in h if k.startswith("pass@") and not k.endswith("_stderr")}
+    return results, groups, better
+
+
 def metric_rows(report: EvalReport) -> list[dict[str, Any]]:
     """The table: one row per shown or gated metric."""
     s = report.request.settings
@@ -116,13 +154,18 @@ def _worst(gates) -> str | None:
 
 
 def build_document(report: EvalReport) -> dict[str, Any]:
+    """lm-eval's schema at the top level (results, groups, configs, versions, n-shot, higher_is_better,
+    n-samples, config) for the candidate; llmopt's own fields (both models' detailed figures, the table's
+    rows, gates and verdicts, bootstrap, exit code, timing, cache) under "llmopt"."""
     s, data = report.request.settings, report.data
     cand, base = report.candidate, report.baseline
-    results, groups = task_results(cand)
-    doc: dict[str, Any] = {"model": _model_info(cand), "baseline": _model_info(base) if base else None,
-                           "results": results, "groups": groups}
+    results, groups, better = lm_eval_results(cand)
+    own: dict[str, Any] = {"model": _model_info(cand), "baseline": _model_info(base) if base else None}
+    own["results"], own["groups"] = task_results(cand)
     if base is not None:
-        doc["baseline_results"], doc["baseline_groups"] = task_results(base)
+        own["baseline_results"], own["baseline_groups"] = task_results(base)
+        own["baseline_lm_eval_results"] = lm_eval_results(base)[0]
+    doc: dict[str, Any] = {"results": results, "groups": groups}
     configs: dict[str, Any] = {}
     n_samples: dict[str, Any] = {}
     if data.text is not None:
@@ -158,10 +201,20 @@ def build_document(report: EvalReport) -> dict[str, Any]:
                                 "top_p": s.top_p if s.humaneval_samples > 1 else 1.0, "seed": s.seed,
                                 "max_tokens": s.humaneval_max_tokens, "pass_k": s.pass_k, "timeout_s": s.timeout}
         n_samples["humaneval"] = {"original": data.problems_total, "effective": len(data.problems)}
+    if cand.mmlu is not None:
+        for name, score in cand.mmlu.subjects.items():
+            n_samples[f"mmlu_{name}"] = {"original": score.n, "effective": score.n}
     doc.update({
         "configs": configs,
-        "n-samples": n_samples,
         "versions": {**{t: VERSIONS[t] for t in s.tasks}, "llmopt": __version__},
+        "n-shot": {name: s.num_fewshot if name.startswith("mmlu") else 0 for name in results},
+        "higher_is_better": better,
+        "n-samples": n_samples,
+        "config": {"model": "llmopt", "model_args": own["model"]["spec"], "baseline": own["baseline"] and
+                   own["baseline"]["spec"], "limit": s.mmlu_limit if data.mmlu is not None else None,
+                   "bootstrap_iters": s.bootstrap_samples, "random_seed": s.seed},
+    })
+    own.update({
         "metrics": metric_rows(report),
         "gates": [asdict(g) for g in report.gates],
         "skipped_gates": report.skipped_gates,
@@ -176,6 +229,7 @@ def build_document(report: EvalReport) -> dict[str, Any]:
                    **({"baseline": base.seconds} if base else {})},
         "cache": {"dir": str(cache.cache_dir()), "baseline": base.cache if base else {}},
     })
+    doc["llmopt"] = own
     return doc
 
 
@@ -197,6 +251,7 @@ def _fmt_delta(metric: str, kind: str, x: float | None) -> str:
 
 
 def render_table(doc: dict[str, Any]) -> Table:
+    doc = doc["llmopt"]
     title = f"llmopt eval: {doc['model']['spec']}" + (f" vs baseline {doc['baseline']['spec']}" if doc["baseline"] else "")
     table = Table(title=title)
     for col in ("metric", "baseline", "candidate", "Δ", "95% CI", "gate", "verdict"):
@@ -221,6 +276,7 @@ def render_table(doc: dict[str, Any]) -> Table:
 
 
 def summary_lines(doc: dict[str, Any]) -> list[str]:
+    doc = doc["llmopt"]
     lines = [f"gate {g['bound']}: {g['note']}" for g in doc["gates"]]
     for text in doc["skipped_gates"]:
         lines.append(f"gate {text}: skipped (task not run)")
@@ -254,7 +310,7 @@ KLD_ROWS = (("max", "Maximum"), ("p99.9", "99.9%"), ("p99", "99.0%"), ("p95", "9
 
 def kld_summary_lines(doc: dict[str, Any]) -> list[str]:
     """llama.cpp's `--kl-divergence` summary, same rows, labels and units, from the JSON's results.kld."""
-    k = doc["results"].get("kld")
+    k = doc["llmopt"]["results"].get("kld")
     if k is None:
         return []
     lines = ["====== Perplexity statistics ======",
