@@ -213,9 +213,9 @@ def test_humaneval_end_to_end(files, tmp_path):
     assert code == 0, err
     he = doc["llmopt"]["results"]["humaneval"]
     assert he["pass@1"] == 0.0 and he["num_problems"] == 2 and sum(he["status_counts"].values()) == 2
-    lines = [json.loads(x) for x in (tmp_path / "he.samples.jsonl").read_text().splitlines()]
-    assert [x["task_id"] for x in lines] == ["HumanEval/0", "HumanEval/1"]
-    assert all(len(x["candidate"]["samples"]) == 1 for x in lines)
+    lines = [json.loads(x) for x in (tmp_path / "he.samples_humaneval.jsonl").read_text().splitlines()]
+    assert [x["doc"]["task_id"] for x in lines] == ["HumanEval/0", "HumanEval/1"]
+    assert all(len(x["resps"]) == 1 and x["pass@1"] == 0.0 for x in lines)
 
 
 def test_humaneval_prompt_longer_than_the_context_is_scored_failed(tiny_models):
@@ -291,10 +291,20 @@ def test_output_json_schema_and_samples(tiny_models, files, tmp_path):
     assert doc["versions"]["llmopt"] and doc["llmopt"]["model"]["spec"] == m and doc["llmopt"]["baseline"]["spec"] == m
     assert {r["metric"] for r in doc["llmopt"]["metrics"]} >= {"ppl.ppl", "kld.mean", "mmlu.acc"}
     assert not list(tmp_path.glob(".*tmp*"))  # written atomically, nothing left behind
-    samples = [json.loads(x) for x in (tmp_path / "results.samples.jsonl").read_text().splitlines()]
-    text = [s for s in samples if s["task"] == "ppl+kld"]
-    assert len(text) == 62 and sum(s["task"] == "mmlu" for s in samples) == 8
-    assert [s["position"] for s in text[:2]] == [33, 34] and text[31]["position"] == 64 + 33
+    # --log-samples: lm-eval's per-task JSONL files (MMLU per subject), named in the report
+    files = doc["llmopt"]["samples_files"]
+    assert set(files) == {"kld", "mmlu_anatomy", "mmlu_virology"}
+    text = [json.loads(x) for x in Path(files["kld"]).read_text().splitlines()]
+    assert len(text) == 62 and [s["doc"]["position"] for s in text[:2]] == [33, 34]
+    assert text[31]["doc"]["position"] == 64 + 33 and {"nll", "kld", "llmopt_baseline"} <= set(text[0])
+    anatomy = [json.loads(x) for x in Path(files["mmlu_anatomy"]).read_text().splitlines()]
+    assert [s["doc_id"] for s in anatomy] == [0, 1, 2, 3]
+    first = anatomy[0]
+    assert {"doc", "target", "arguments", "resps", "filtered_resps", "filter", "metrics", "doc_hash", "prompt_hash",
+            "target_hash", "acc"} <= set(first)
+    assert first["arguments"]["gen_args_0"]["arg_1"] == " A" and first["arguments"]["gen_args_0"]["arg_0"].endswith(
+        "Answer:")
+    assert len(first["resps"]) == 4 and first["metrics"] == ["acc"]
     assert "llmopt eval" in stdout and "mmlu" in stdout  # the table
 
 

@@ -186,7 +186,7 @@ def test_cli_lm_eval_tasks_from_an_include_path_equal_the_built_in_mmlu(model, t
     entry = doc["results"]["llmopt_local_mmlu"]
     assert {"alias", "acc,none", "acc_stderr,none"} <= set(entry)
     assert doc["n-shot"]["llmopt_local_mmlu"] == 0 and doc["higher_is_better"]["llmopt_local_mmlu"]["acc"] is True
-    samples = Path(doc["lm_eval_samples_files"]["llmopt_local_mmlu"]).read_text().splitlines()
+    samples = Path(doc["llmopt"]["samples_files"]["llmopt_local_mmlu"]).read_text().splitlines()
     assert len(samples) == len(questions) and "resps" in json.loads(samples[0])
     code, err, out = run_cli("eval", spec, "--tasks", "mmlu", "--mmlu-path", str(tmp_path / "mmlu.jsonl"),
                              "--no-cache", "--json")

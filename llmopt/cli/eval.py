@@ -106,7 +106,6 @@ def eval_command(
         build_document,
         kld_summary_lines,
         render_table,
-        samples_path,
         summary_lines,
         write_json,
         write_samples,
@@ -166,13 +165,11 @@ def eval_command(
                               dtype, device, None, log_samples and output is not None, samples_dir=output)
         for key in ("results", "groups", "configs", "versions", "n-shot", "higher_is_better", "n-samples"):
             doc.setdefault(key, {}).update(lm_doc.get(key, {}))
-        if "lm_eval_samples_files" in lm_doc:
-            doc["llmopt"]["lm_eval_samples_files"] = lm_doc["lm_eval_samples_files"]
+        doc["llmopt"]["samples_files"] = dict(lm_doc["llmopt"].get("samples_files", {}))
     if output is not None:
         if log_samples:
-            path = samples_path(output)
-            write_samples(report, path)
-            doc["llmopt"]["samples_file"] = str(path)
+            doc["llmopt"]["samples_files"] = {**write_samples(report, output),
+                                              **doc["llmopt"].get("samples_files", {})}
         write_json(doc, output)
     screen = err_console if json_output else console
     screen.print(render_table(doc))
@@ -231,7 +228,7 @@ def _run_lm_eval(model: str, tasks: list[str], include_path: Path | None, num_fe
 
     from llmopt.core import load
     from llmopt.eval.lm_eval_adapter import evaluate_tasks
-    from llmopt.eval.report import write_json
+    from llmopt.eval.report import samples_path, write_json
 
     loaded = load(model, dtype=dtype, device=device)
     out = evaluate_tasks(loaded, tasks, include_path=str(include_path) if include_path else None,
@@ -239,7 +236,7 @@ def _run_lm_eval(model: str, tasks: list[str], include_path: Path | None, num_fe
                          log_samples=log_samples)
     doc = {key: out[key] for key in ("results", "groups", "configs", "versions", "n-shot", "higher_is_better",
                                      "n-samples") if key in out}
-    doc["model"] = {"spec": model, "kind": loaded.source.kind, "path": str(loaded.source.path)}
+    doc["llmopt"] = {"model": {"spec": model, "kind": loaded.source.kind, "path": str(loaded.source.path)}}
     target = output or samples_dir
     if log_samples and target is not None:
         from llmopt.core.atomic import atomic_file
@@ -247,12 +244,12 @@ def _run_lm_eval(model: str, tasks: list[str], include_path: Path | None, num_fe
 
         files = {}
         for task, samples in out.get("samples", {}).items():
-            path = Path(target).with_name(f"{Path(target).stem}.samples_{task}.jsonl")
+            path = samples_path(Path(target), task)
             with atomic_file(path) as tmp:
                 tmp.write_text("".join(json.dumps(s, default=handle_non_serializable, ensure_ascii=False) + "\n"
                                        for s in samples), encoding="utf-8")
             files[task] = str(path)
-        doc["lm_eval_samples_files"] = files
+        doc["llmopt"]["samples_files"] = files
     if output is not None:
         write_json(json.loads(json.dumps(doc, default=str)), output)
     return doc

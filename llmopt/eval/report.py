@@ -19,6 +19,7 @@ by side, in `<output>.samples.jsonl` beside `--output`.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import asdict
 from pathlib import Path
@@ -30,7 +31,6 @@ from llmopt import __version__
 from llmopt.core.atomic import atomic_file
 from llmopt.eval import cache, stats
 from llmopt.eval.gates import ABSOLUTE, FAIL, INCONCLUSIVE, PASS, RELATIVE, display_kind, metric_info
-from llmopt.eval.mmlu import LETTERS
 from llmopt.eval.run import EvalReport, metric_samples, shown_metrics
 from llmopt.eval.tasks import ModelRun
 from llmopt.eval.windows import plan_chunks
@@ -342,51 +342,84 @@ def write_json(doc: dict[str, Any], path: Path) -> None:
         tmp.write_text(json.dumps(doc, indent=2, default=str) + "\n", encoding="utf-8")
 
 
-def samples_path(output: Path) -> Path:
+def samples_path(output: Path, task: str) -> Path:
+    """`<output stem>.samples_<task>.jsonl` beside the report (lm-eval names its files samples_<task>_<date>.jsonl)."""
     output = Path(output)
     stem = output.name[: -len(".json")] if output.name.endswith(".json") else output.name
-    return output.with_name(stem + ".samples.jsonl")
+    return output.with_name(f"{stem}.samples_{task}.jsonl")
 
 
-def write_samples(report: EvalReport, path: Path) -> int:
-    """One line per item and task; returns the number of lines."""
-    lines = []
-    cand, base, data = report.candidate, report.baseline, report.data
+def _hash(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def _lm_eval_sample(doc_id: int, doc: dict[str, Any], target: str, arguments: list[tuple], resps: list[list],
+                    metrics: dict[str, Any]) -> dict[str, Any]:
+    """One line as lm-eval's EvaluationTracker saves it: arguments as gen_args_i/arg_j, responses as strings."""
+    def strings(x):
+        return [strings(v) for v in x] if isinstance(x, (list, tuple)) else str(x)
+
+    return {"doc_id": doc_id, "doc": doc, "target": target,
+            "arguments": {f"gen_args_{i}": {f"arg_{j}": a for j, a in enumerate(args)}
+                          for i, args in enumerate(arguments)},
+            "resps": strings([[r] for r in resps]), "filtered_resps": strings(resps), "filter": "none",
+            "metrics": list(metrics), "doc_hash": _hash(json.dumps(doc, indent=2, ensure_ascii=False)),
+            "prompt_hash": _hash(str(arguments[0][0])) if arguments else _hash(""), "target_hash": _hash(target),
+            **metrics}
+
+
+def write_samples(report: EvalReport, output: Path) -> dict[str, str]:
+    """Per task, one JSONL file of the candidate's samples in lm-eval's format (MMLU per subject, as lm-eval's
+    mmlu_<subject> tasks; ppl/kld one line per scored token, which lm-eval has no task for); the baseline's
+    response for the same item, where there is one, under "llmopt_baseline". Returns {task: path}."""
+    by_task: dict[str, list[dict[str, Any]]] = {}
+    cand, base, data, s = report.candidate, report.baseline, report.data, report.request.settings
     if cand.text is not None:
+        name = "kld" if cand.text.kld is not None else "ppl"
         ids = data.ids.tolist()
-        chunks = plan_chunks(len(ids), report.request.settings.ctx_size)
-        positions = [c * chunks.ctx_size + j for c in range(chunks.count)
-                     for j in range(chunks.first + 1, chunks.ctx_size)]
+        chunks = plan_chunks(len(ids), s.ctx_size)
+        positions = [c * chunks.ctx_size + j for c in range(chunks.count) for j in range(chunks.first + 1, chunks.ctx_size)]
         k = cand.text.kld
         for i, position in enumerate(positions):
-            rec = {"task": "ppl+kld" if k else "ppl", "position": position, "token_id": ids[position],
-                   "nll": float(cand.text.nll[i])}
-            if base is not None:
-                rec["nll_baseline"] = float(base.text.nll[i])
+            metrics: dict[str, Any] = {"nll": float(cand.text.nll[i])}
             if k is not None:
-                rec.update(kld=float(k.per_position[i]), same_top=int(k.same_top[i]), delta_p=float(k.delta_p_values[i]))
-            lines.append(rec)
-    if cand.mmlu is not None:
-        for i, q in enumerate(data.mmlu):
-            rec = {"task": "mmlu", "doc_id": i, "subject": q.subject, "question": q.question, "target": LETTERS[q.answer],
-                   "candidate": _mmlu_sample(cand, i)}
+                metrics.update(kld=float(k.per_position[i]), same_top=int(k.same_top[i]), delta_p=float(k.delta_p_values[i]))
+            line = {"doc_id": i, "doc": {"position": position, "token_id": ids[position]}, "target": str(ids[position]),
+                    "filter": "none", "metrics": list(metrics), **metrics}
             if base is not None:
-                rec["baseline"] = _mmlu_sample(base, i)
-            lines.append(rec)
+                line["llmopt_baseline"] = {"nll": float(base.text.nll[i])}
+            by_task.setdefault(name, []).append(line)
+    if cand.mmlu is not None:
+        from llmopt.eval.mmlu import build_requests
+
+        requests = build_requests(data.mmlu, s.num_fewshot, data.mmlu_dev)
+        seen: dict[str, int] = {}
+        for i, (q, request) in enumerate(zip(data.mmlu, requests)):
+            doc_id = seen[q.subject] = seen.get(q.subject, -1) + 1
+            doc = {"question": q.question, "subject": q.subject, "choices": list(q.choices), "answer": q.answer}
+            arguments = [(request.context, c) for c in request.continuations]
+            resps = [[ll, None] for ll in cand.mmlu_loglikelihoods[i]]  # is_greedy: not computed by llmopt
+            line = _lm_eval_sample(doc_id, doc, str(q.answer), arguments, resps, {"acc": float(cand.mmlu.correct[i])})
+            if base is not None:
+                line["llmopt_baseline"] = {"loglikelihoods": base.mmlu_loglikelihoods[i], "acc": base.mmlu.correct[i]}
+            by_task.setdefault(f"mmlu_{q.subject}", []).append(line)
     if cand.humaneval is not None:
         for i, p in enumerate(data.problems):
-            rec = {"task": "humaneval", "doc_id": i, "task_id": p.task_id, "candidate": _he_sample(cand, i)}
+            result = cand.humaneval.problems[i]
+            texts = cand.completions[p.task_id]
+            line = _lm_eval_sample(i, {"task_id": p.task_id, "prompt": p.prompt}, p.task_id, [(p.prompt,)], texts,
+                                   {"pass@1": result.pass_at(1)})
+            line["llmopt_status"] = [{"status": sm.status, "detail": sm.detail} for sm in result.samples]
             if base is not None:
-                rec["baseline"] = _he_sample(base, i)
-            lines.append(rec)
-    with atomic_file(path) as tmp:
-        tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in lines), encoding="utf-8")
-    return len(lines)
-
-
-def _mmlu_sample(run: ModelRun, i: int) -> dict[str, Any]:
-    return {"loglikelihoods": run.mmlu_loglikelihoods[i], "predicted": LETTERS[run.mmlu.predicted[i]],
-            "correct": run.mmlu.correct[i]}
+                line["llmopt_baseline"] = _he_sample(base, i)
+            by_task.setdefault("humaneval", []).append(line)
+    paths = {}
+    for task, lines in by_task.items():
+        path = samples_path(output, task)
+        with atomic_file(path) as tmp:
+            tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in lines), encoding="utf-8")
+        paths[task] = str(path)
+    return paths
 
 
 def _he_sample(run: ModelRun, i: int) -> dict[str, Any]:
