@@ -249,3 +249,19 @@ def test_probe_refuses_llama_cpp_pythons_server(tmp_path):
         code, err, out = run_cli("eval", "default", "--base-url", url, "--tasks", "ppl", "--chunks", "1")
     assert code == 2, (code, err, out)
     assert "refuses token-id prompts" in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("args, fragments", [
+    (["--base-url", "ftp://127.0.0.1:1", "--tasks", "ppl"], ["--base-url must start with http"]),
+    (["--base-url", "http://127.0.0.1:1", "--tasks", "ppl"], ["tokenizer of the model it serves"]),
+    (["{llama}", "--base-url", "http://127.0.0.1:1", "--tasks", "humaneval"], ["humaneval runs on a local model"]),
+    (["{llama}", "--base-url", "http://127.0.0.1:1", "--tasks", "ppl", "--text", "{text}", "--ctx-size", "64"],
+     ["cannot reach http://127.0.0.1:1/v1/models"]),
+    (["{llama}", "--base-url", "http://127.0.0.1:1", "--tasks", "lm-eval:arc_easy"], ["runs on a local MODEL"]),
+    (["--tasks", "ppl"], ["give MODEL"]),
+])
+def test_base_url_bad_input_is_one_line(tiny_models, files, args, fragments):
+    from conftest import assert_usage_error
+
+    args = [a.format(llama=tiny_models["llama"], text=files["text"]) for a in args]
+    assert_usage_error(["eval", *args], *fragments)

@@ -99,10 +99,9 @@ class Endpoint:
         self.model = probe(config.url, config.api_key, config.served_model_name)
         self._client = httpx.Client(headers=auth_headers(config.api_key), timeout=config.timeout)
         self._ids_by_text: dict[str, int | None] | None = None
-        self.top_logprobs = 0  # what the probe found the endpoint returns (<= config.top_logprobs)
 
     def describe(self) -> dict[str, Any]:
-        return {"url": self.url, "served_model": self.model, "top_logprobs": self.top_logprobs}
+        return {"url": self.url, "served_model": self.model, "top_logprobs": self.config.top_logprobs}
 
     # ------------------------------------------------------------------ HTTP
 
@@ -220,10 +219,9 @@ class Endpoint:
             if len(tops) < len(prompt) - 1 or min(sizes, default=0) < 1:
                 raise LlmoptError(f"{self.url} returns no top log-probabilities for prompt positions, which KLD needs: "
                                   "leave kld out of --tasks")
-            self.top_logprobs = max(sizes)
-            if self.top_logprobs < top:
-                log.warning("%s returns %d alternatives per prompt position, fewer than --top-logprobs %d",
-                            self.url, self.top_logprobs, top)
+            if max(sizes) < top:  # a server's cap, or texts several ids share (they stay in the tail)
+                log.warning("%s gives %d placeable alternatives per prompt position, fewer than --top-logprobs %d",
+                            self.url, max(sizes), top)
         log.info("endpoint %s (%s): prompt log-probabilities aligned (last token %.4f echoed vs %.4f generated)",
                  self.url, self.model, values[len(prompt) - 1], g_logprob)
 
@@ -318,7 +316,7 @@ def score_text_endpoint(endpoint: Endpoint, ids: torch.Tensor, ctx_size: int, *,
     chunks = plan_chunks(len(ids), ctx_size)
     if base is not None and (base.store is None or base.num_tokens != chunks.num_scored):
         raise LlmoptError("the baseline's stored scores do not match this text and --ctx-size; rerun with --no-cache")
-    top = endpoint.top_logprobs if base is not None else 0
+    top = endpoint.config.top_logprobs if base is not None else 0
     prompts = [chunk_prompt(ids, chunks, c, bos_id) for c in range(chunks.count)]
     scores = endpoint.score(prompts, top)
     first, n = chunks.first, chunks.ctx_size
@@ -342,7 +340,7 @@ def score_text_endpoint(endpoint: Endpoint, ids: torch.Tensor, ctx_size: int, *,
         rows = slice(s, s + CHUNK_ROWS)
         base_rows = kld_logprobs(torch.from_numpy(np.array(base.store.hidden[rows])), head)
         kld, same, delta = topk_position_stats(base_rows, cand_ids[rows], cand_lp[rows],
-                                               torch.from_numpy(np.asarray(base.nll[rows])),
+                                               torch.from_numpy(np.array(base.nll[rows], dtype=np.float64)),
                                                torch.from_numpy(nll[rows]))
         klds.append(kld), sames.append(same), deltas.append(delta)
     result.kld = summarize(torch.cat(klds).numpy(), torch.cat(sames).numpy(), torch.cat(deltas).numpy(),
