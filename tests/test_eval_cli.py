@@ -357,7 +357,7 @@ def test_shipped_default_recipe_is_the_built_in_default():
     (["--tasks", "humaneval", "--pass-k", "1,10"], ["pass@10", "--humaneval-samples"]),
     (["--tasks", "humaneval", "--humaneval-mode", "freestyle"], ["--humaneval-mode"]),
     (["--tasks", "ppl", "--log-samples"], ["--output"]),
-    (["--tasks", "mmlu", "--num-fewshot", "2"], ["dev split"]),
+    (["--tasks", "mmlu", "--num-fewshot", "6"], ["dev split has only 5 examples"]),
 ])
 def test_bad_input_exits_2(tiny_models, files, args, fragments):
     model = files["long"] if "SHORT_TEXT" in args else tiny_models["llama"]  # a 2048-token context, ~900 of text

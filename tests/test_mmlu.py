@@ -237,11 +237,17 @@ def test_bundled_subset():
     assert result.overall.n == len(questions) and len(result.subjects) == 57 and len(result.groups) == 4
     # every prediction is A, so accuracy is the share of answer 0
     assert result.overall.acc == pytest.approx(sum(x.answer == 0 for x in questions) / len(questions))
-    if mmlu.BUNDLED_DEV.exists():
-        assert Counter(x.subject for x in load_mmlu(None, "dev")) == {s: 5 for s in SUBJECTS}
-    else:
-        with pytest.raises(LlmoptError, match="no dev split"):
-            load_mmlu(None, split="dev")
+    # the whole dev split ships too, so 5-shot works offline (lm-eval's first_n: a subject's dev rows in order)
+    dev = load_mmlu(None, "dev")
+    assert Counter(x.subject for x in dev) == {s: 5 for s in SUBJECTS}
+    algebra = next(x for x in questions if x.subject == "abstract_algebra")
+    [request] = build_requests([algebra], num_fewshot=5, dev=dev)
+    assert request.context.count("\nAnswer:") == 6
+    assert request.context.startswith("The following are multiple choice questions (with answers) about abstract "
+                                      "algebra.\n\nFind all c in Z_3 such that Z_3[x]/(x^2 + c) is a field.\nA. 0\n")
+    assert "\nD. 3\nAnswer: B\n\n" in request.context  # its answer is 1: " B"
+    with pytest.raises(LlmoptError, match="only 5 examples"):
+        build_requests([algebra], num_fewshot=6, dev=dev)
 
 
 def test_bundled_licence_ships_with_the_data():

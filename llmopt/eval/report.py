@@ -183,7 +183,7 @@ def build_document(report: EvalReport) -> dict[str, Any]:
             configs["kld"]["candidate_logprobs"] = (
                 f"top {cand.endpoint['top_logprobs']} log-probs per position from the endpoint + the observed token's; "
                 "KLD over those tokens with each side's remaining probability in one tail bucket: a lower bound of "
-                "the full-vocabulary KLD (same top p and Δp exact)")
+                "the full-vocabulary KLD (Δp exact; same top p exact where the top token's text names one id)")
         if "kld" in configs:
             configs["kld"]["baseline_store"] = ("final hidden states per scored token + the dense vocabulary "
                                                 "projection, float16; the baseline's full-vocabulary rows rebuilt "
