@@ -188,10 +188,15 @@ def test_cli_lm_eval_tasks_from_an_include_path_equal_the_built_in_mmlu(model, t
     assert doc["n-shot"]["llmopt_local_mmlu"] == 0 and doc["higher_is_better"]["llmopt_local_mmlu"]["acc"] is True
     samples = Path(doc["llmopt"]["samples_files"]["llmopt_local_mmlu"]).read_text().splitlines()
     assert len(samples) == len(questions) and "resps" in json.loads(samples[0])
-    code, err, out = run_cli("eval", spec, "--tasks", "mmlu", "--mmlu-path", str(tmp_path / "mmlu.jsonl"),
-                             "--no-cache", "--json")
+    # built-in and lm-eval tasks in one run: one JSON, both in results, llmopt's gates beside
+    code, err, out = run_cli("eval", spec, "--tasks", "mmlu,lm-eval:llmopt_local_mmlu", "--lm-eval-include-path",
+                             str(folder), "--mmlu-path", str(tmp_path / "mmlu.jsonl"), "--no-cache", "--json")
     assert code == 0, err
-    assert json.loads(out)["results"]["mmlu"]["acc,none"] == pytest.approx(entry["acc,none"])
+    both = json.loads(out)
+    assert both["results"]["mmlu"]["acc,none"] == pytest.approx(entry["acc,none"])
+    assert both["results"]["llmopt_local_mmlu"]["acc,none"] == entry["acc,none"]
+    assert both["n-shot"]["mmlu"] == 0 and "llmopt_local_mmlu" in both["higher_is_better"]
+    assert both["llmopt"]["gates"] == [] and both["llmopt"]["exit_code"] == 0
 
 
 def test_cli_unknown_lm_eval_task_is_one_line(model, tmp_path):

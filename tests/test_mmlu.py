@@ -371,3 +371,31 @@ def test_hub_unreachable_offline():
         load_mmlu("hf:llmopt-test/no-such-mmlu")
     message = str(e.value)
     assert "hf:llmopt-test/no-such-mmlu:all" in message and "--mmlu-path" in message and "bundled" in message
+
+
+def test_contexts_get_bos_as_lm_eval_adds_it():
+    """lm-eval's add_bos_token: BOS before every context where the tokenizer adds one by default
+    (`--add-bos/--no-add-bos` override); the continuation's tokens are unchanged."""
+    from tokenizers import processors
+
+    from conftest import make_byte_tokenizer
+    from llmopt.core.tokenizer import Tokenizer
+    from llmopt.eval.loglikelihood import encode_pairs
+    from llmopt.eval.text import context_bos_id
+
+    plain = Tokenizer(backend=make_byte_tokenizer(), bos_token="<|im_start|>", eos_token="<|im_end|>")
+    backend = make_byte_tokenizer()
+    bos = backend.token_to_id("<|im_start|>")
+    backend.post_processor = processors.TemplateProcessing(single="<|im_start|> $A", special_tokens=[("<|im_start|>", bos)])
+    adding = Tokenizer(backend=backend, bos_token="<|im_start|>", eos_token="<|im_end|>")
+    assert context_bos_id(plain, None) is None and context_bos_id(adding, None) == bos
+    assert context_bos_id(adding, False) is None and context_bos_id(plain, True) == bos
+    pairs = [("Question: 2+2?\nAnswer:", " 4")]
+    [(ctx, cont)] = encode_pairs(adding, pairs, context_bos_id(adding, None))
+    [(ctx_plain, cont_plain)] = encode_pairs(plain, pairs)
+    assert ctx == [bos, *ctx_plain] and cont == cont_plain
+    # what lm-eval's HFLM encodes with add_special_tokens (the tokenizer's default): the same ids
+    whole = adding.encode(pairs[0][0] + pairs[0][1], add_special_tokens=True)
+    assert whole == ctx + cont
+    with pytest.raises(LlmoptError, match="no BOS"):
+        context_bos_id(Tokenizer(backend=make_byte_tokenizer()), True)

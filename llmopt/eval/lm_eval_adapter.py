@@ -5,14 +5,19 @@
 `TaskManager(include_path=DIR)`) on llmopt, instead of re-implementing them one by one:
 
 - `loglikelihood`: (context, continuation) pairs through `loglikelihood.py` (lm-eval's
-  `_encode_pair` tokenization, no special tokens, an empty context becomes EOS; packed,
-  batched forwards), with lm-eval's `is_greedy`;
+  `_encode_pair` tokenization, BOS before each context where the tokenizer adds one or
+  `add_bos` says, an empty context becomes BOS or EOS; packed, batched forwards), with
+  lm-eval's `is_greedy`;
 - `loglikelihood_rolling`: lm-eval's own rolling windows (`get_rolling_token_windows` +
   `make_disjoint_window`, windows of the model's context, EOS as the prefix token, as
   HFLM does when it adds no BOS), scored the same way and summed per document;
 - `generate_until`: the paged runtime (`runtime.LLM`), all requests in one continuously
   batched run: greedy unless `do_sample`, stopping at `until` and the model's EOS, at most
   `max_gen_toks` tokens, the prompt left-truncated to leave room for them.
+
+`evaluate_tasks` runs a list of tasks through `simple_evaluate` (what `llmopt eval --tasks
+lm-eval:TASK` calls). Rolling windows and generation prompts get no BOS yet (HFLM adds the
+tokenizer's default there too).
 
 lm-eval is an optional extra (`pip install 'llmopt[lm-eval]'`, lm-eval 0.4.x).
 """

@@ -3,9 +3,10 @@
 Encoding follows lm-eval's `_encode_pair`: trailing spaces of the context move to the
 front of the continuation, `whole = encode(context + continuation)`, `ctx = encode(context)`
 and the continuation's tokens are `whole[len(ctx):]` (so a merge across the boundary is
-scored the way lm-eval scores it). No special tokens are added (lm-eval's default for
-causal models); an empty context becomes the EOS token. Inputs longer than the model's
-context are cut from the left, keeping the continuation.
+scored the way lm-eval scores it). BOS goes before every context where the caller passes
+one: lm-eval 0.4's `add_bos_token`, which by default follows the tokenizer (`text.context_bos_id`;
+`--add-bos/--no-add-bos`); no other special tokens. An empty context becomes BOS, else EOS.
+Inputs longer than the model's context are cut from the left, keeping the continuation.
 
 Fast path: when every continuation of a context is one token (MMLU's " A".." D" on BPE
 tokenizers), one forward over the context answers them all from its last position.
