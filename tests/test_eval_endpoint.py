@@ -160,15 +160,16 @@ class FakeServer:
             return {text(int(i)): float(v) for v, i in zip(values, idx)}
 
         tokens, values, tops = [text(g)], [float(rows[-1, g])], [top(rows[-1])]
-        if body.get("echo") and self.mode != "completion-only":
-            if self.mode == "text-only":  # llama-cpp-python: position i scored by row i (predicting i + 1)
-                prompt_values = [float(rows[i, t]) for i, t in enumerate(ids)]
-                prompt_tops = [top(rows[i]) for i in range(len(ids))]
-            else:
-                prompt_values = [None] + [float(rows[i - 1, t]) for i, t in enumerate(ids) if i > 0]
-                prompt_tops = [None] + [top(rows[i - 1]) for i in range(1, len(ids))]
+        if body.get("echo") and self.mode == "text-only":
+            # llama-cpp-python 0.3 (llama.py, _create_completion): position i read off row i (which predicts
+            # token i + 1), its top alternatives too, the first nulled; the generated token left out
+            tokens = [text(t) for t in ids]
+            values = [None] + [float(rows[i, t]) for i, t in enumerate(ids) if i > 0]
+            tops = [None] + [{**top(rows[i]), text(t): float(rows[i, t])} for i, t in enumerate(ids) if i > 0]
+        elif body.get("echo") and self.mode != "completion-only":
             tokens = [text(t) for t in ids] + tokens
-            values, tops = prompt_values + values, prompt_tops + tops
+            values = [None] + [float(rows[i - 1, t]) for i, t in enumerate(ids) if i > 0] + values
+            tops = [None] + [top(rows[i - 1]) for i in range(1, len(ids))] + tops
         return {"object": "text_completion", "model": "fake", "choices": [{
             "index": 0, "text": text(g), "finish_reason": "length",
             "logprobs": {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops,
@@ -230,8 +231,9 @@ def _llama_cpp_runs() -> str | None:
         return f"llama-cpp-python's server extras are not installed ({exc})"
     from llmopt.core.embedded import default_gguf_path
 
-    code = ("import llama_cpp, sys; m = llama_cpp.Llama(sys.argv[1], n_ctx=64, verbose=False); "
-            "m.create_completion('Hello', max_tokens=1)")
+    # a prompt of several tokens: here llama.cpp's batched prefill is what crashes (SIGSEGV) where one token works
+    code = ("import llama_cpp, sys; m = llama_cpp.Llama(sys.argv[1], n_ctx=256, verbose=False); "
+            "m.create_completion('The library opens at nine in the morning and closes at six', max_tokens=1)")
     done = subprocess.run([sys.executable, "-c", code, str(default_gguf_path())], capture_output=True, timeout=300)
     return None if done.returncode == 0 else f"llama-cpp-python cannot decode on this machine (exit {done.returncode})"
 
@@ -248,7 +250,7 @@ def test_probe_refuses_llama_cpp_pythons_server(tmp_path):
     with launched_server("llama-cpp", str(default_gguf_path()), ["--n_ctx", "2048", "--logits_all", "true"]) as url:
         code, err, out = run_cli("eval", "default", "--base-url", url, "--tasks", "ppl", "--chunks", "1")
     assert code == 2, (code, err, out)
-    assert "refuses token-id prompts" in err and "Traceback" not in err, err
+    assert "refuses token-id prompts" in err and "shifted by one position" in err and "Traceback" not in err, err
 
 
 @pytest.mark.parametrize("args, fragments", [

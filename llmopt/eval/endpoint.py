@@ -240,11 +240,18 @@ class Endpoint:
             return why
         lp = scored["logprobs"]
         values, tokens = list(lp.get("token_logprobs") or []), list(lp.get("tokens") or [])
-        n = len(values) - 1  # the prompt's tokens as the server split them, then the one generated token
-        if n >= 2 and (len(tokens) <= n or tokens[n - 1] != g_text):
+        # the prompt's tokens as the server split them: the echoed pieces that spell the prompt (llama-cpp-python
+        # leaves the generated token out of an echoed list, others append it)
+        prompt, text, n = PROBE_TEXT + first["text"], "", 0
+        while n < len(tokens) and len(text) < len(prompt):
+            text += str(tokens[n])
+            n += 1
+        if text != prompt or tokens[n - 1] != g_text:
+            if len(values) <= 1:  # the generated token's entry alone: echo is ignored
+                return why + "; with a text prompt, its prompt log-probabilities " + _alignment_problem(
+                    values, [], 2, g_text, g_logprob)
             return why  # the text re-tokenized differently: nothing to compare
-        problem = _alignment_problem(values[:max(n, 1)], list(lp.get("top_logprobs") or []), max(n, 2), g_text,
-                                     g_logprob)
+        problem = _alignment_problem(values[:n], list(lp.get("top_logprobs") or [])[:n], n, g_text, g_logprob)
         return why + (f"; with a text prompt, its prompt log-probabilities {problem}" if problem else "")
 
 
