@@ -261,6 +261,7 @@ def test_probe_refuses_llama_cpp_pythons_server(tmp_path):
      ["cannot reach http://127.0.0.1:1/v1/models"]),
     (["{llama}", "--base-url", "http://127.0.0.1:1", "--tasks", "lm-eval:arc_easy"], ["runs on a local MODEL"]),
     (["--tasks", "ppl"], ["give MODEL"]),
+    (["{llama}", "--baseline", "http://127.0.0.1:1/v1", "--tasks", "ppl"], ["--baseline is a local model"]),
 ])
 def test_base_url_bad_input_is_one_line(tiny_models, files, args, fragments):
     from conftest import assert_usage_error

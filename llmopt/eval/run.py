@@ -188,6 +188,11 @@ def run_eval(request: EvalRequest) -> EvalReport:
     gates, skipped = resolve_gates(s, request.baseline is not None)
     for text in skipped:
         log.debug("gate %s skipped: its task is not in --tasks", text)
+    if request.baseline is not None and request.baseline.startswith(("http://", "https://")):
+        # gating a served model against the local checkpoint it came from keeps the baseline's full distributions
+        # (exact KLD rows, its cache); two endpoints would leave KLD with top-k on both sides
+        raise LlmoptError("--baseline is a local model (its results are cached); a served candidate goes in "
+                          "--base-url")
     if request.endpoint is not None:
         if request.model is None and request.baseline is None:
             raise LlmoptError("--base-url needs the tokenizer of the model it serves: give that model as MODEL, "
