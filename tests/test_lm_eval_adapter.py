@@ -182,6 +182,7 @@ def test_cli_lm_eval_tasks_from_an_include_path_equal_the_built_in_mmlu(model, t
     code, err, out = run_cli("eval", spec, "--tasks", "lm-eval:llmopt_local_mmlu", "--lm-eval-include-path",
                              str(folder), "--output", str(tmp_path / "lm.json"), "--log-samples", "--json")
     assert code == 0, err
+    assert "lm-eval llmopt_local_mmlu: acc " in err  # the summary line (stderr under --json)
     doc = json.loads((tmp_path / "lm.json").read_text())
     entry = doc["results"]["llmopt_local_mmlu"]
     assert {"alias", "acc,none", "acc_stderr,none"} <= set(entry)

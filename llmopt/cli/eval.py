@@ -41,8 +41,8 @@ def eval_command(
     baseline: str | None = typer.Option(None, "--baseline", "-b", help="The reference model (e.g. the unquantized one)."),
     tasks: str | None = typer.Option(None, "--tasks", "-t", help="Comma-separated: ppl, kld, mmlu, humaneval "
                                      "(default: ppl,kld,mmlu; kld only with --baseline), and lm-eval's own tasks as "
-                                     "lm-eval:TASK (e.g. lm-eval:hellaswag,lm-eval:arc_easy; pip install "
-                                     "'llmopt[lm-eval]'), run on MODEL."),
+                                     "lm-eval:TASK (e.g. lm-eval:hellaswag,lm-eval:arc_easy; needs the lm-eval extra), "
+                                     "run on MODEL."),
     lm_eval_include_path: Path | None = typer.Option(None, "--lm-eval-include-path", help="A folder of lm-eval task "
                                                       "YAMLs for lm-eval:TASK (local data, private tasks)."),
     limit: str | None = typer.Option(None, "--limit", help="MMLU questions per subject and HumanEval problems: N, a "
@@ -161,7 +161,7 @@ def eval_command(
     doc = build_document(report)
     lm_doc = None
     if lm_tasks:  # after the built-in tasks, so that a bad gate or data file fails before lm-eval's long run
-        lm_doc = _run_lm_eval(model, lm_tasks, lm_eval_include_path, settings.num_fewshot or None, limit, add_bos,
+        lm_doc = _run_lm_eval(model, lm_tasks, lm_eval_include_path, num_fewshot, limit, add_bos,
                               dtype, device, None, log_samples and output is not None, samples_dir=output)
         for key in ("results", "groups", "configs", "versions", "n-shot", "higher_is_better", "n-samples"):
             doc.setdefault(key, {}).update(lm_doc.get(key, {}))
@@ -256,13 +256,16 @@ def _run_lm_eval(model: str, tasks: list[str], include_path: Path | None, num_fe
 
 
 def _lm_eval_lines(doc: dict) -> list[str]:
+    """One line per lm-eval task: its metrics (lm-eval's "<metric>,<filter>" keys) with their stderr."""
     lines = []
     for task, metrics in doc.get("results", {}).items():
-        shown = [f"{name.split(',')[0]} {value:.4f}" + (f" ± {metrics.get(name.replace(',', '_stderr,'), 0):.4f}"
-                                                          if isinstance(metrics.get(name.replace(',', '_stderr,')),
-                                                                        float) else "")
-                 for name, value in metrics.items() if "," in name and "_stderr" not in name
-                 and isinstance(value, float)]
+        shown = []
+        for key, value in metrics.items():
+            name, _, filter_name = key.partition(",")
+            if not filter_name or name.endswith("_stderr") or not isinstance(value, float):
+                continue
+            stderr = metrics.get(f"{name}_stderr,{filter_name}")
+            shown.append(f"{name} {value:.4f}" + (f" ± {stderr:.4f}" if isinstance(stderr, float) else ""))
         if shown:
             lines.append(f"lm-eval {task}: " + ", ".join(shown))
     return lines
