@@ -1,20 +1,22 @@
-"""The eval report: one JSON document close to lm-evaluation-harness's, a table, per-sample logs.
+"""The eval report: one JSON document in lm-evaluation-harness's schema, a table, per-task sample logs.
 
-JSON (`build_document`), lm-eval's top-level sections with our metric names:
-- `results`: the candidate's figures per task (`ppl`, `kld`, `mmlu` and `mmlu_<subject>`,
-  `humaneval`), each metric with `<metric>_stderr` where one is defined; `kld` holds
-  llama.cpp's whole KLD summary (`kld.KLDResult.to_dict`); `baseline_results` the same
-  for the baseline.
-- `groups`: MMLU's aggregate and its four category groups (candidate; `baseline_groups`).
-- `configs` (what each task ran on), `n-samples` (`original` items available,
-  `effective` items scored), `versions`.
-- `metrics`: the table's rows (baseline, candidate, change, 95% CI, gate, verdict);
-  `gates`: every gate's full judgement (verdict pass / fail / inconclusive);
-  `bootstrap` (samples, seed, minimum sample size), `strict`, `passed` and `exit_code`.
-- `timing` (seconds per model and task), `cache` (baseline cache hits), `model`, `baseline`.
+JSON (`build_document`), lm-eval's top-level sections for the candidate:
+- `results`: per task (`ppl`, `kld`, `mmlu` and `mmlu_<subject>`, `humaneval`) {"alias",
+  "<metric>,none", "<metric>_stderr,none"} ("N/A" where a stderr is undefined); `kld` holds
+  llama.cpp's whole KLD summary, Δp's statistics as `delta_p_<stat>`.
+- `groups`: MMLU's aggregate and its four category groups, the same way.
+- `configs` (what each task ran on), `versions`, `n-shot`, `higher_is_better`, `n-samples`
+  (`original` items available, `effective` items scored; per MMLU subject too), `config`.
+Under `llmopt`, what lm-eval has no place for: `model`/`baseline` (an endpoint: its URL, served
+name and tokenizer), `results`/`baseline_results` in llmopt's own nested form (KLD's summary
+as `kld.KLDResult.to_dict`), `baseline_lm_eval_results`; `metrics`, the table's rows (baseline,
+candidate, change, 95% CI, gate, verdict); `gates`, every gate's full judgement (pass / fail /
+inconclusive); `bootstrap`, `strict`, `passed`, `exit_code`; `timing`, `cache`;
+`samples_files`.
 
-Per-sample logs (`--log-samples`): one JSON line per scored item and task, both models side
-by side, in `<output>.samples.jsonl` beside `--output`.
+Per-sample logs (`--log-samples`, `write_samples`): lm-eval's per-task JSONL files beside
+`--output` (`<stem>.samples_<task>.jsonl`, MMLU per subject), the baseline's response for the
+same item under `llmopt_baseline`.
 """
 
 from __future__ import annotations
