@@ -16,7 +16,7 @@ import typer
 import yaml
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-from llmopt.cli.common import EXIT_GATE_FAILED, EXIT_USAGE, err_console, handles_errors
+from llmopt.cli.common import EXIT_GATE_FAILED, err_console, handles_errors
 from llmopt.errors import LlmoptError
 
 
@@ -37,7 +37,7 @@ def run(
     from llmopt.bench.results import prepare_output_dir
     from llmopt.recipes import load_recipe
     from llmopt.workflow.report import write_commands
-    from llmopt.workflow.runner import ERROR, prepare, run_recipe
+    from llmopt.workflow.runner import prepare, run_recipe
     from llmopt.workflow.stages import RECIPE_COPY, SERVE
 
     loaded = load_recipe(recipe, overrides)
@@ -53,17 +53,10 @@ def run(
     write_commands(output, str(recipe), commands, [s.name for s in stages])
 
     observer = _ProgressObserver()
-    with observer.progress:
-        try:
-            result = run_recipe(loaded, str(recipe), output, stages, render, observer)
-        except LlmoptError:
-            err_console.print(f"wrote {output}/results.json and report.md", highlight=False)
-            raise
-    failed = [o for o in result.outcomes if o.status == ERROR]
+    with observer.progress:  # an error in a stage: one line (exit 2); results.json and report.md are written
+        result = run_recipe(loaded, str(recipe), output, stages, render, observer)
     err_console.print(f"wrote {output}/: report.md, results.json, commands.sh ({result.seconds:.0f} s)",
                       highlight=False)
-    if failed:
-        raise typer.Exit(EXIT_USAGE)
     if result.exit_code:
         err_console.print("a quality gate failed: see the eval section of report.md", style="bold red")
         raise typer.Exit(EXIT_GATE_FAILED)
@@ -93,6 +86,8 @@ class _ProgressObserver:
 
     def stage_started(self, stage) -> None:
         self.tasks[stage.name] = self.progress.add_task(stage.title, total=None)
+        if not self.progress.console.is_terminal:  # no live display (CI logs): say what runs now
+            self.progress.console.print(f"{stage.title} ...", highlight=False, markup=False)
 
     def stage_progress(self, stage, done: int, total: int | None) -> None:
         self.progress.update(self.tasks[stage.name], completed=done, total=total)
