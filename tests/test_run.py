@@ -122,18 +122,30 @@ def test_failed_gate_exits_1_writes_the_report_and_a_rerun_reuses_the_quantizati
 
 
 def test_default_recipe_end_to_end_on_the_embedded_model(tmp_path):
-    """recipes/default.yaml itself, made quick: RTN instead of AWQ, ppl/KLD on 4 chunks, a tiny bench."""
+    """recipes/default.yaml itself, made quick: RTN (no calibration) for AWQ, ppl/KLD on 4 chunks, a tiny bench.
+
+    RTN g64 fails the default KLD bound (docs/benchmarks.md: KLD 0.29 against 0.25; AWQ passes at 0.13): exit 1,
+    the report written, the bench not run. The same run with the bound raised reuses the checkpoint and goes on."""
     out = tmp_path / "default"
-    code, err, _ = run_cli("run", str(ROOT / "recipes" / "default.yaml"), "--output", str(out),
-                           "--set", "quantize.method=rtn", "--set", "eval.tasks=[ppl, kld]", "--set", "eval.chunks=4",
-                           "--set", "bench.throughput.engines=llmopt", "--set", "bench.throughput.num_prompts=4",
-                           "--set", "bench.throughput.output_len=8", "--set", "bench.latency.batch_size=1",
-                           "--set", "bench.latency.num_iters=1", "--set", "bench.latency.output_len=8")
-    assert code == 0, err
+    quick = ["--set", "quantize.method=rtn", "--set", "eval.chunks=4", "--set", "bench.throughput.num_prompts=4",
+             "--set", "bench.throughput.output_len=8", "--set", "bench.latency.batch_size=1",
+             "--set", "bench.latency.num_iters=1", "--set", "bench.latency.output_len=8"]
+    code, err, _ = run_cli("run", str(ROOT / "recipes" / "default.yaml"), "--output", str(out), *quick)
     doc = json.loads((out / "results.json").read_text())
-    assert doc["passed"] is True and doc["recipe"]["name"] == "default"
     stages = {s["name"]: s for s in doc["stages"]}
+    gates = stages["eval"]["figures"]["gates"]
+    assert code == 1, (err, [g["note"] for g in gates])
+    assert doc["passed"] is False and doc["recipe"]["name"] == "default"
     assert stages["quantize"]["figures"]["method"] == "rtn"
-    assert {g["metric"] for g in stages["eval"]["figures"]["gates"]} == {"ppl.ppl", "kld.mean"}
+    assert {g["metric"] for g in gates} == {"ppl.ppl", "kld.mean"}  # the default gates of the tasks that ran
+    assert "kld.mean" in [g["metric"] for g in gates if g["verdict"] == "fail"], [g["note"] for g in gates]
+    assert stages["bench throughput"]["status"] == "not run" and "FAILED" in (out / "report.md").read_text()
+
+    code, err, _ = run_cli("run", str(ROOT / "recipes" / "default.yaml"), "--output", str(out), *quick,
+                           "--set", 'eval.gates=["ppl:+50%", "kld.mean:0.5"]')
+    assert code == 0, err
+    stages = {s["name"]: s for s in json.loads((out / "results.json").read_text())["stages"]}
+    assert stages["quantize"]["status"] == "reused" and stages["eval"]["status"] == "done"
+    assert stages["bench throughput"]["status"] == stages["bench latency"]["status"] == "done"
     assert (out / "bench" / "latency" / "latency.png").is_file()
     assert "llmopt serve" in (out / "commands.sh").read_text()

@@ -31,7 +31,7 @@ def write_report(result) -> Path:
 
 
 def report_markdown(result) -> str:
-    from llmopt.workflow.runner import ERROR, GATE_FAILED
+    from llmopt.workflow.runner import GATE_FAILED
 
     recipe = result.recipe
     outcomes = {o.name: o for o in result.outcomes}
@@ -43,11 +43,8 @@ def report_markdown(result) -> str:
              + (f". {recipe.description.strip()}" if recipe.description else "") + "",
              f"Verdict: {verdict}. Total time {result.seconds:.1f} s.",
              "## Stages",
-             markdown_table([[s.name, outcomes[s.name].status + (f": {outcomes[s.name].error}"
-                                                                 if outcomes[s.name].status == ERROR else ""),
-                              f"{outcomes[s.name].seconds:.1f}" if outcomes[s.name].seconds else "-",
-                              ", ".join(f"`{_rel(p, result.output_dir)}`" for p in s.outputs) or "-"]
-                             for s in result.stages], ["stage", "status", "time (s)", "output"])]
+             markdown_table([_stage_row(s, outcomes[s.name], result.output_dir) for s in result.stages],
+                            ["stage", "status", "time (s)", "output"])]
     for stage in result.stages:
         o = outcomes[stage.name]
         if o.figures is None:
@@ -65,6 +62,18 @@ def report_markdown(result) -> str:
     parts += ["## Reproduce", f"Each stage as the `llmopt` command that runs it alone (`{COMMANDS}`):",
               "```sh\n" + "\n".join(shlex.join(c) for c in result.commands) + "\n```"]
     return "\n\n".join(p.strip() for p in parts if p and p.strip()) + "\n"
+
+
+def _stage_row(stage, outcome, output_dir: Path) -> list[str]:
+    from llmopt.workflow.runner import ERROR, REUSED
+
+    status = outcome.status
+    if status == ERROR:
+        status += f": {outcome.error}"
+    elif status == REUSED:
+        status += f" (from an earlier run that took {outcome.seconds:.1f} s)"
+    seconds = f"{outcome.seconds:.1f}" if outcome.seconds and outcome.status != REUSED else "-"
+    return [stage.name, status, seconds, ", ".join(f"`{_rel(p, output_dir)}`" for p in stage.outputs) or "-"]
 
 
 def _quantize_table(q: dict[str, Any]) -> str:
