@@ -115,6 +115,12 @@ def _engine_config(given: dict[str, Any]) -> dict[str, Any]:
     return asdict(EngineConfig(**fields))
 
 
+def _files(*values: str | None) -> list[str]:
+    """The local files among data options (a calibration text, an eval text, a dataset): inputs whose
+    contents decide a stage's result, so their size and modification time go into its stamp."""
+    return [v for v in values if v and Path(v).expanduser().is_file()]
+
+
 def _free_memory() -> None:
     """Drop the previous stage's model before the next loads (stages run in one process)."""
     gc.collect()
@@ -163,7 +169,8 @@ def _quantize_stage(recipe: Recipe, output_dir: Path) -> Stage:
     stage = Stage(QUANTIZE, f"quantize {recipe.model.spec} ({q.method})",
                   Invocation(("quantize",), [recipe.model.spec], flags),
                   config={"request": {k: v for k, v in asdict(request).items() if k not in ("output", "overwrite")}},
-                  inputs=[recipe.model.spec], outputs=[output], check=check, execute=execute)
+                  inputs=[recipe.model.spec, *_files(calib.get("source"))], outputs=[output], check=check,
+                  execute=execute)
     return stage
 
 
@@ -217,7 +224,8 @@ def _eval_stage(recipe: Recipe, output_dir: Path, candidate: str, candidate_from
                  Invocation(("eval",), [candidate], flags),
                  config={"settings": settings_layer, "engine": engine_given, "options": run_opts,
                          "cache": section.cache},
-                 inputs=[candidate_from] + ([baseline] if baseline else []), outputs=[results_path],
+                 inputs=[candidate_from, *([baseline] if baseline else []), *_files(section.text, section.mmlu_path)],
+                 outputs=[results_path],
                  check=check, execute=execute, gate=True)
 
 
@@ -267,7 +275,7 @@ def _throughput_stage(recipe: Recipe, output_dir: Path, candidate: str, candidat
 
     return Stage(THROUGHPUT, f"bench throughput ({', '.join(given.get('engines', ['llmopt']))})",
                  Invocation(("bench", "throughput"), [candidate], flags), config={"plan": given},
-                 inputs=[candidate_from], outputs=[folder / "results.json"], check=check, execute=execute)
+                 inputs=[candidate_from, *_files(given.get("dataset"), given.get("gguf"))], outputs=[folder / "results.json"], check=check, execute=execute)
 
 
 def _latency_stage(recipe: Recipe, output_dir: Path, candidate: str, candidate_from: str) -> Stage:
