@@ -321,17 +321,10 @@ def test_recipe_sets_tasks_gates_and_options_and_flags_win(tiny_models, files, t
     assert code == 0 and doc["llmopt"]["results"]["ppl"]["num_tokens"] == 2 * 15 and doc["llmopt"]["gates"] == []
 
     yaml_recipe = tmp_path / "r.yaml"
-    yaml_recipe.write_text(f"tasks: ppl\ngates: ['ppl.nll:+0.5']\nchunks: 3\ntext: {files['text']}\n")
+    yaml_recipe.write_text(f"eval:\n  tasks: ppl\n  gates: ['ppl.nll:+0.5']\n  chunks: 3\n  text: {files['text']}\n")
     code, doc, err, _ = _eval(m, "--baseline", m, "--recipe", str(yaml_recipe), "--ctx-size", "32")
     assert code == 0, err
     assert doc["llmopt"]["gates"][0]["bound"] == "ppl.nll:+0.5"
-
-
-def test_shipped_default_recipe_is_the_built_in_default():
-    from llmopt.eval.recipe import DEFAULTS
-
-    shipped = json.loads((Path(__file__).parents[1] / "recipes" / "default-gates.json").read_text())
-    assert shipped == DEFAULTS
 
 
 # ---------------------------------------------------------------------------- bad input
@@ -369,10 +362,10 @@ def test_bad_recipe_and_missing_model(tiny_models, tmp_path):
     m = str(tiny_models["llama"])
     assert_usage_error(["eval", m, "--recipe", str(tmp_path / "nope.json")], "does not exist")
     bad = tmp_path / "bad.json"
-    bad.write_text(json.dumps({"taks": ["ppl"]}))
-    assert_usage_error(["eval", m, "--recipe", str(bad)], "unknown setting", "taks")
+    bad.write_text(json.dumps({"eval": {"taks": ["ppl"]}}))
+    assert_usage_error(["eval", m, "--recipe", str(bad)], "unknown key 'eval.taks'", "did you mean 'tasks'")
     bad.write_text("{not json")
-    assert_usage_error(["eval", m, "--recipe", str(bad)], "not valid JSON")
+    assert_usage_error(["eval", m, "--recipe", str(bad)], "not valid YAML")
     assert_usage_error(["eval", str(tmp_path / "missing-model"), "--tasks", "ppl"], "missing-model")
 
 

@@ -39,8 +39,8 @@ def eval_command(
     limit: str | None = typer.Option(None, "--limit", help="MMLU questions per subject and HumanEval problems: N, a "
                                      "fraction < 1, or 'all' (default: 5 per MMLU subject, all 164 problems)."),
     gate: str | None = typer.Option(None, "--gate", "-g", help="METRIC:BOUND,... e.g. mmlu.acc:-1.0,kld.mean:0.05,ppl:+5% "
-                                    "('none': no gates) (default with --baseline: recipes/default-gates.json)."),
-    recipe: Path | None = typer.Option(None, "--recipe", help="JSON/YAML file of tasks, gates and options (flags win)."),
+                                    "('none': no gates) (default with --baseline: llmopt/recipes/default-gates.yaml)."),
+    recipe: Path | None = typer.Option(None, "--recipe", help="A recipe (YAML): its eval section's tasks, gates and options (flags win)."),
     output: Path | None = typer.Option(None, "--output", "-o", help="Write the JSON report here (atomically)."),
     json_output: bool = typer.Option(False, "--json", help="Print the JSON report on stdout (the table goes to stderr)."),
     log_samples: bool = typer.Option(False, "--log-samples", help="Per-sample JSONL beside --output."),
@@ -83,7 +83,7 @@ def eval_command(
 ) -> None:
     """Score MODEL (and --baseline) on ppl/kld/mmlu/humaneval and judge quality gates: exit 1 if one fails
     significantly (with --strict, also if one is inconclusive)."""
-    from llmopt.eval.recipe import load_recipe, resolve_settings
+    from llmopt.eval.recipe import recipe_settings, resolve_settings
     from llmopt.eval.report import (
         build_document,
         kld_summary_lines,
@@ -125,7 +125,7 @@ def eval_command(
              "num_fewshot": num_fewshot, "humaneval_mode": humaneval_mode, "humaneval_samples": humaneval_samples,
              "temperature": temperature, "seed": seed, "pass_k": pass_k, "humaneval_max_tokens": humaneval_max_tokens,
              "timeout": timeout}
-    settings = resolve_settings(flags, load_recipe(recipe) if recipe else None, has_baseline=baseline is not None)
+    settings = resolve_settings(flags, recipe_settings(recipe) if recipe else None, has_baseline=baseline is not None)
     engine = engine_args.engine_config()
     options = RunOptions(dtype=engine_args.dtype, device=engine_args.device, engine=asdict(engine),
                          use_cache=use_cache, add_bos=add_bos)
