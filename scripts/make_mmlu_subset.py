@@ -14,7 +14,11 @@ byte-for-byte reproducible (gzip without a timestamp).
 
 If a dev split sits beside the test file (dev.jsonl.gz, the 5 few-shot examples per
 subject), or --dev names one, it is copied whole into llmopt/eval/data/mmlu_dev.jsonl.gz so
-the bundled subset can do few-shot. None was available when the shipped subset was made.
+the bundled subset can do few-shot. The shipped one (285 examples, 5 per subject in the original
+order) was converted from the Hendrycks CSVs data/mmlu/dev/*_dev.csv (header question,
+choice0..3, answer index) of the public repository HaeChan0305/MLILAB-FedLLM (commit d92730e),
+whose data/mmlu/test/*.csv hold exactly the 14,042 questions of ../shared/data/mmlu/test.jsonl.gz,
+then written with `--dev dev.jsonl.gz` (the test subset came out byte for byte the same).
 
 MMLU (Hendrycks et al., 2021) is MIT-licensed; llmopt/eval/data/MMLU_LICENSE.txt carries
 the notice and must ship with the data.

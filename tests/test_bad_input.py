@@ -210,7 +210,7 @@ def test_bad_engine_options(tiny_models, args, fragment):
     "args, fragment",
     [(["--engine", "tgi"], "unknown engine 'tgi'"), (["--port", "70000"], "--port must be 1-65535"),
      (["--max-queue", "0"], "--max-queue must be positive"),
-     (["--engine", "llama.cpp"], "serves .gguf files")],
+     (["--engine", "llama.cpp"], "runs .gguf files")],
 )
 def test_bad_serve_options(tiny_models, args, fragment):
     assert_usage_error(["serve", str(tiny_models["llama"]), *args], fragment)

@@ -107,10 +107,10 @@ def test_ppl_matches_a_forward_by_hand(tiny_models, files, tmp_path, ctx, chunks
     ids = ([bos] if bos is not None else []) + tok.encode(TEXT, add_special_tokens=False)
     count = len(ids) // ctx if chunks == "all" else int(chunks)
     ref = _reference_nll(folder, ids[:count * ctx], ctx, bos)
-    assert len(ref) == count * (ctx - 1 - ctx // 2) == doc["results"]["ppl"]["num_tokens"]
+    assert len(ref) == count * (ctx - 1 - ctx // 2) == doc["llmopt"]["results"]["ppl"]["num_tokens"]
     assert doc["configs"]["ppl"]["bos_id"] == bos and doc["configs"]["ppl"]["chunks"] == count
-    assert doc["results"]["ppl"]["ppl"] == pytest.approx(math.exp(sum(ref) / len(ref)), rel=1e-4)
-    assert doc["gates"] == [] and doc["exit_code"] == 0  # no baseline: no default gates
+    assert doc["llmopt"]["results"]["ppl"]["ppl"] == pytest.approx(math.exp(sum(ref) / len(ref)), rel=1e-4)
+    assert doc["llmopt"]["gates"] == [] and doc["llmopt"]["exit_code"] == 0  # no baseline: no default gates
 
 
 def test_loglikelihood_fast_and_general_paths_match_a_forward(tiny_models):
@@ -145,16 +145,16 @@ def test_kld_of_a_model_against_itself_is_the_store_rounding_and_default_gates_p
     code, doc, err, _ = _eval(m, "--baseline", m, "--tasks", "ppl,kld", "--text", str(files["text"]),
                               "--ctx-size", "64", "--chunks", "7")
     assert code == 0, err
-    kld = doc["results"]["kld"]  # zero up to the float16 store's rounding, which the baseline pass measures
+    kld = doc["llmopt"]["results"]["kld"]  # zero up to the float16 store's rounding, which the baseline pass measures
     error = doc["configs"]["kld"]["baseline_store_error"]
     assert -1e-8 < error < 1e-5 and kld["mean"] == pytest.approx(error, abs=1e-9) and kld["max"] < 1e-4
     assert kld["same_top_p"] >= 0.99 and kld["num_tokens"] == 7 * 31
     assert kld["delta_p"]["max"] == 0.0 and kld["ppl_ratio"] == 1.0 and kld["rms_delta_p"] == 0.0
-    assert doc["results"]["ppl"]["ppl"] == doc["baseline_results"]["ppl"]["ppl"]
-    judged = {g["bound"] for g in doc["gates"]}
-    assert judged == {"ppl.ppl:+25%", "kld.mean:0.25"} and all(g["verdict"] == "pass" for g in doc["gates"])
-    assert all(g["block"] == 6 for g in doc["gates"])  # round(217^(1/3)): token-level metrics resample blocks
-    assert set(doc["skipped_gates"]) == {"mmlu.acc:-3.0", "humaneval.pass@1:-6.0"}
+    assert doc["llmopt"]["results"]["ppl"]["ppl"] == doc["llmopt"]["baseline_results"]["ppl"]["ppl"]
+    judged = {g["bound"] for g in doc["llmopt"]["gates"]}
+    assert judged == {"ppl.ppl:+25%", "kld.mean:0.25"} and all(g["verdict"] == "pass" for g in doc["llmopt"]["gates"])
+    assert all(g["block"] == 6 for g in doc["llmopt"]["gates"])  # round(217^(1/3)): token-level metrics resample blocks
+    assert set(doc["llmopt"]["skipped_gates"]) == {"mmlu.acc:-3.0", "humaneval.pass@1:-6.0"}
     assert "Mean    KLD:   0.000000" in err and "Mean PPL(Q)/PPL(base)         :   1.000000" in err  # llama.cpp's
 
 
@@ -162,8 +162,8 @@ def test_a_noisy_copy_fails_the_gates_with_exit_1(tiny_models, files):
     code, doc, err, _ = _eval(str(files["noisy"]), "--baseline", str(tiny_models["llama"]), "--tasks", "ppl,kld",
                               "--text", str(files["text"]), "--ctx-size", "64", "--chunks", "7")
     assert code == 1, err
-    assert not doc["passed"] and doc["exit_code"] == 1
-    kld_gate = next(g for g in doc["gates"] if g["metric"] == "kld.mean")
+    assert not doc["llmopt"]["passed"] and doc["llmopt"]["exit_code"] == 1
+    kld_gate = next(g for g in doc["llmopt"]["gates"] if g["metric"] == "kld.mean")
     assert kld_gate["verdict"] == "fail" and kld_gate["significant"] and kld_gate["ci_low"] > 0.25
     assert "fail (significant)" in kld_gate["note"] and "circular blocks of 6" in kld_gate["note"]
     assert "FAILED (significant" in err and "kld.mean:0.25" in err  # the table and summary go to stderr with --json
@@ -187,12 +187,12 @@ def test_mmlu_end_to_end_on_a_local_file(tiny_models, files):
     m = str(tiny_models["llama"])
     code, doc, err, _ = _eval(m, "--baseline", m, "--tasks", "mmlu", "--mmlu-path", str(files["mmlu"]))
     assert code == 0, err
-    mmlu = doc["results"]["mmlu"]
+    mmlu = doc["llmopt"]["results"]["mmlu"]
     assert mmlu["n"] == 8 and 0 <= mmlu["acc"] <= 1
     assert set(doc["groups"]) == {"mmlu", "mmlu_stem", "mmlu_other"}  # anatomy is stem, virology other
-    assert doc["results"]["mmlu_anatomy"]["n"] == 4
+    assert doc["llmopt"]["results"]["mmlu_anatomy"]["n"] == 4
     assert doc["n-samples"]["mmlu"] == {"original": 8, "effective": 8}
-    gate = doc["gates"][0]  # 8 questions: too few for an interval
+    gate = doc["llmopt"]["gates"][0]  # 8 questions: too few for an interval
     assert gate["bound"] == "mmlu.acc:-3.0" and gate["delta"] == 0 and gate["verdict"] == "inconclusive"
     assert gate["ci_low"] is None and "8 items: below the minimum of 30" in gate["note"]
 
@@ -202,7 +202,7 @@ def test_mmlu_limit_is_per_subject(tiny_models, files):
                               "--limit", "2")
     assert code == 0, err
     assert doc["n-samples"]["mmlu"] == {"original": 8, "effective": 4}
-    assert doc["results"]["mmlu_virology"]["n"] == 2
+    assert doc["llmopt"]["results"]["mmlu_virology"]["n"] == 2
 
 
 def test_humaneval_end_to_end(files, tmp_path):
@@ -211,18 +211,18 @@ def test_humaneval_end_to_end(files, tmp_path):
     code, doc, err, _ = _eval(m, "--tasks", "humaneval", "--limit", "2", "--humaneval-max-tokens", "8",
                               "--kv-cache-memory", "32MiB", "--output", str(out), "--log-samples")
     assert code == 0, err
-    he = doc["results"]["humaneval"]
+    he = doc["llmopt"]["results"]["humaneval"]
     assert he["pass@1"] == 0.0 and he["num_problems"] == 2 and sum(he["status_counts"].values()) == 2
-    lines = [json.loads(x) for x in (tmp_path / "he.samples.jsonl").read_text().splitlines()]
-    assert [x["task_id"] for x in lines] == ["HumanEval/0", "HumanEval/1"]
-    assert all(len(x["candidate"]["samples"]) == 1 for x in lines)
+    lines = [json.loads(x) for x in (tmp_path / "he.samples_humaneval.jsonl").read_text().splitlines()]
+    assert [x["doc"]["task_id"] for x in lines] == ["HumanEval/0", "HumanEval/1"]
+    assert all(len(x["resps"]) == 1 and x["pass@1"] == 0.0 for x in lines)
 
 
 def test_humaneval_prompt_longer_than_the_context_is_scored_failed(tiny_models):
     code, doc, err, _ = _eval(str(tiny_models["llama"]), "--tasks", "humaneval", "--limit", "1",
                               "--humaneval-max-tokens", "4", "--kv-cache-memory", "16MiB")
     assert code == 0, err
-    assert doc["results"]["humaneval"]["pass@1"] == 0.0
+    assert doc["llmopt"]["results"]["humaneval"]["pass@1"] == 0.0
     assert "scored as failed" in err
 
 
@@ -236,26 +236,26 @@ def test_baseline_cache_is_reused_on_the_second_run(tiny_models, files, tmp_path
             "--mmlu-path", str(files["mmlu"]), "--ctx-size", "64", "--chunks", "4")
     code, first, err, _ = _eval(*args)
     assert code == 0, err
-    assert first["cache"]["baseline"] == {"ppl+kld": "miss", "mmlu": "miss"}
-    assert "load" in first["timing"]["baseline"]
+    assert first["llmopt"]["cache"]["baseline"] == {"ppl+kld": "miss", "mmlu": "miss"}
+    assert "load" in first["llmopt"]["timing"]["baseline"]
 
     code, second, err, _ = _eval(*args)
     assert code == 0, err
-    assert second["cache"]["baseline"] == {"ppl+kld": "hit", "mmlu": "hit"}
-    assert "load" not in second["timing"]["baseline"]  # the baseline model was never loaded
+    assert second["llmopt"]["cache"]["baseline"] == {"ppl+kld": "hit", "mmlu": "hit"}
+    assert "load" not in second["llmopt"]["timing"]["baseline"]  # the baseline model was never loaded
     assert "from the baseline cache" in err
-    assert second["results"] == first["results"] and second["baseline_results"] == first["baseline_results"]
+    assert second["llmopt"]["results"] == first["llmopt"]["results"] and second["llmopt"]["baseline_results"] == first["llmopt"]["baseline_results"]
 
     # what the baseline keeps for KLD: float16 hidden states per scored token + its projection once, not whole rows
     import numpy as np
 
-    hidden = [np.load(p) for p in Path(first["cache"]["dir"]).glob("*/hidden.npy")]
-    heads = [np.load(p) for p in Path(first["cache"]["dir"]).glob("*/lm_head.npy")]
+    hidden = [np.load(p) for p in Path(first["llmopt"]["cache"]["dir"]).glob("*/hidden.npy")]
+    heads = [np.load(p) for p in Path(first["llmopt"]["cache"]["dir"]).glob("*/lm_head.npy")]
     assert any(a.shape == (4 * 31, 64) and a.dtype == np.float16 for a in hidden)
     assert any(a.shape == (263, 64) and a.dtype == np.float16 for a in heads)
 
     code, third, err, _ = _eval(*args, "--no-cache")
-    assert code == 0 and third["cache"]["baseline"] == {"ppl+kld": "off", "mmlu": "off"}
+    assert code == 0 and third["llmopt"]["cache"]["baseline"] == {"ppl+kld": "off", "mmlu": "off"}
 
 
 def test_output_json_schema_and_samples(tiny_models, files, tmp_path):
@@ -266,24 +266,45 @@ def test_output_json_schema_and_samples(tiny_models, files, tmp_path):
                                 "--output", str(out), "--log-samples")
     assert code == 0, err
     doc = json.loads(out.read_text())
-    for key in ("results", "groups", "configs", "n-samples", "versions", "gates", "metrics", "timing", "model",
-                "baseline", "baseline_results", "passed", "exit_code", "cache"):
+    # lm-eval's schema at the top, llmopt's own fields (gates, verdicts, timing...) under "llmopt"
+    for key in ("results", "groups", "configs", "n-samples", "versions", "n-shot", "higher_is_better", "config"):
         assert key in doc, key
+    for key in ("gates", "metrics", "timing", "model", "baseline", "baseline_results", "passed", "exit_code",
+                "cache", "results"):
+        assert key in doc["llmopt"], key
     assert set(doc["results"]) >= {"ppl", "kld", "mmlu", "mmlu_anatomy", "mmlu_virology"}
-    assert doc["results"]["mmlu"]["acc_stderr"] is not None
+    assert doc["results"]["mmlu"]["alias"] == "mmlu" and doc["results"]["mmlu_anatomy"]["alias"] == "  - anatomy"
+    assert doc["results"]["mmlu"]["acc,none"] == doc["llmopt"]["results"]["mmlu"]["acc"]
+    assert doc["results"]["mmlu"]["acc_stderr,none"] == doc["llmopt"]["results"]["mmlu"]["acc_stderr"] is not None
+    assert doc["results"]["ppl"]["ppl,none"] == doc["llmopt"]["results"]["ppl"]["ppl"]
+    assert doc["results"]["kld"]["mean,none"] == doc["llmopt"]["results"]["kld"]["mean"]
+    assert isinstance(doc["results"]["kld"]["delta_p_mean,none"], float)
+    assert doc["higher_is_better"]["ppl"] == {"ppl": False, "nll": False}
+    assert doc["higher_is_better"]["mmlu"] == {"acc": True} and doc["higher_is_better"]["kld"]["same_top_p"] is True
+    assert doc["n-shot"]["mmlu"] == 0 and doc["n-samples"]["mmlu_anatomy"] == {"original": 4, "effective": 4}
     assert doc["configs"]["ppl"]["ctx_size"] == 64 and doc["configs"]["kld"]["text"] == str(files["text"])
-    assert doc["bootstrap"] == {"samples": 1000, "seed": 0, "level": 0.95, "min_units": 30,
-                                "method": doc["bootstrap"]["method"]}
-    kld = doc["results"]["kld"]
+    assert doc["llmopt"]["bootstrap"] == {"samples": 1000, "seed": 0, "level": 0.95, "min_units": 30,
+                                "method": doc["llmopt"]["bootstrap"]["method"]}
+    kld = doc["llmopt"]["results"]["kld"]
     assert {"mean_stderr", "p99.9", "p0.1", "min", "delta_p", "rms_delta_p", "same_top_p_stderr", "ppl_ratio",
             "ln_ppl_ratio_stderr", "ppl_correlation"} <= set(kld)
-    assert doc["versions"]["llmopt"] and doc["model"]["spec"] == m and doc["baseline"]["spec"] == m
-    assert {r["metric"] for r in doc["metrics"]} >= {"ppl.ppl", "kld.mean", "mmlu.acc"}
+    assert doc["versions"]["llmopt"] and doc["llmopt"]["model"]["spec"] == m and doc["llmopt"]["baseline"]["spec"] == m
+    assert {r["metric"] for r in doc["llmopt"]["metrics"]} >= {"ppl.ppl", "kld.mean", "mmlu.acc"}
     assert not list(tmp_path.glob(".*tmp*"))  # written atomically, nothing left behind
-    samples = [json.loads(x) for x in (tmp_path / "results.samples.jsonl").read_text().splitlines()]
-    text = [s for s in samples if s["task"] == "ppl+kld"]
-    assert len(text) == 62 and sum(s["task"] == "mmlu" for s in samples) == 8
-    assert [s["position"] for s in text[:2]] == [33, 34] and text[31]["position"] == 64 + 33
+    # --log-samples: lm-eval's per-task JSONL files (MMLU per subject), named in the report
+    files = doc["llmopt"]["samples_files"]
+    assert set(files) == {"kld", "mmlu_anatomy", "mmlu_virology"}
+    text = [json.loads(x) for x in Path(files["kld"]).read_text().splitlines()]
+    assert len(text) == 62 and [s["doc"]["position"] for s in text[:2]] == [33, 34]
+    assert text[31]["doc"]["position"] == 64 + 33 and {"nll", "kld", "llmopt_baseline"} <= set(text[0])
+    anatomy = [json.loads(x) for x in Path(files["mmlu_anatomy"]).read_text().splitlines()]
+    assert [s["doc_id"] for s in anatomy] == [0, 1, 2, 3]
+    first = anatomy[0]
+    assert {"doc", "target", "arguments", "resps", "filtered_resps", "filter", "metrics", "doc_hash", "prompt_hash",
+            "target_hash", "acc"} <= set(first)
+    assert first["arguments"]["gen_args_0"]["arg_1"] == " A" and first["arguments"]["gen_args_0"]["arg_0"].endswith(
+        "Answer:")
+    assert len(first["resps"]) == 4 and first["metrics"] == ["acc"]
     assert "llmopt eval" in stdout and "mmlu" in stdout  # the table
 
 
@@ -294,23 +315,16 @@ def test_recipe_sets_tasks_gates_and_options_and_flags_win(tiny_models, files, t
     m = str(tiny_models["llama"])
     code, doc, err, _ = _eval(m, "--baseline", m, "--recipe", str(recipe))
     assert code == 0, err
-    assert doc["results"]["ppl"]["num_tokens"] == 20 * 15 and [g["bound"] for g in doc["gates"]] == ["ppl.ppl:+1%"]
-    assert doc["strict"] is True
+    assert doc["llmopt"]["results"]["ppl"]["num_tokens"] == 20 * 15 and [g["bound"] for g in doc["llmopt"]["gates"]] == ["ppl.ppl:+1%"]
+    assert doc["llmopt"]["strict"] is True
     code, doc, err, _ = _eval(m, "--baseline", m, "--recipe", str(recipe), "--chunks", "2", "--gate", "none")
-    assert code == 0 and doc["results"]["ppl"]["num_tokens"] == 2 * 15 and doc["gates"] == []
+    assert code == 0 and doc["llmopt"]["results"]["ppl"]["num_tokens"] == 2 * 15 and doc["llmopt"]["gates"] == []
 
     yaml_recipe = tmp_path / "r.yaml"
-    yaml_recipe.write_text(f"tasks: ppl\ngates: ['ppl.nll:+0.5']\nchunks: 3\ntext: {files['text']}\n")
+    yaml_recipe.write_text(f"eval:\n  tasks: ppl\n  gates: ['ppl.nll:+0.5']\n  chunks: 3\n  text: {files['text']}\n")
     code, doc, err, _ = _eval(m, "--baseline", m, "--recipe", str(yaml_recipe), "--ctx-size", "32")
     assert code == 0, err
-    assert doc["gates"][0]["bound"] == "ppl.nll:+0.5"
-
-
-def test_shipped_default_recipe_is_the_built_in_default():
-    from llmopt.eval.recipe import DEFAULTS
-
-    shipped = json.loads((Path(__file__).parents[1] / "recipes" / "default-gates.json").read_text())
-    assert shipped == DEFAULTS
+    assert doc["llmopt"]["gates"][0]["bound"] == "ppl.nll:+0.5"
 
 
 # ---------------------------------------------------------------------------- bad input
@@ -336,7 +350,7 @@ def test_shipped_default_recipe_is_the_built_in_default():
     (["--tasks", "humaneval", "--pass-k", "1,10"], ["pass@10", "--humaneval-samples"]),
     (["--tasks", "humaneval", "--humaneval-mode", "freestyle"], ["--humaneval-mode"]),
     (["--tasks", "ppl", "--log-samples"], ["--output"]),
-    (["--tasks", "mmlu", "--num-fewshot", "2"], ["dev split"]),
+    (["--tasks", "mmlu", "--num-fewshot", "6"], ["dev split has only 5 examples"]),
 ])
 def test_bad_input_exits_2(tiny_models, files, args, fragments):
     model = files["long"] if "SHORT_TEXT" in args else tiny_models["llama"]  # a 2048-token context, ~900 of text
@@ -348,10 +362,10 @@ def test_bad_recipe_and_missing_model(tiny_models, tmp_path):
     m = str(tiny_models["llama"])
     assert_usage_error(["eval", m, "--recipe", str(tmp_path / "nope.json")], "does not exist")
     bad = tmp_path / "bad.json"
-    bad.write_text(json.dumps({"taks": ["ppl"]}))
-    assert_usage_error(["eval", m, "--recipe", str(bad)], "unknown setting", "taks")
+    bad.write_text(json.dumps({"eval": {"taks": ["ppl"]}}))
+    assert_usage_error(["eval", m, "--recipe", str(bad)], "unknown key 'eval.taks'", "did you mean 'tasks'")
     bad.write_text("{not json")
-    assert_usage_error(["eval", m, "--recipe", str(bad)], "not valid JSON")
+    assert_usage_error(["eval", m, "--recipe", str(bad)], "not valid YAML")
     assert_usage_error(["eval", str(tmp_path / "missing-model"), "--tasks", "ppl"], "missing-model")
 
 
@@ -374,6 +388,6 @@ def test_tokenizer_mismatch_is_fine_for_mmlu(tiny_models, files):
 def test_default_model_against_itself_passes_with_kld_near_zero():
     code, doc, err, _ = _eval("default", "--baseline", "default", "--tasks", "kld,ppl", "--chunks", "2")
     assert code == 0, err
-    assert doc["results"]["kld"]["mean"] < 1e-5 and doc["results"]["kld"]["same_top_p"] >= 0.99
-    assert doc["configs"]["kld"]["baseline_store_error"] == pytest.approx(doc["results"]["kld"]["mean"], abs=1e-9)
-    assert doc["results"]["ppl"]["num_tokens"] == 2 * 255 and all(g["verdict"] == "pass" for g in doc["gates"])
+    assert doc["llmopt"]["results"]["kld"]["mean"] < 1e-5 and doc["llmopt"]["results"]["kld"]["same_top_p"] >= 0.99
+    assert doc["configs"]["kld"]["baseline_store_error"] == pytest.approx(doc["llmopt"]["results"]["kld"]["mean"], abs=1e-9)
+    assert doc["llmopt"]["results"]["ppl"]["num_tokens"] == 2 * 255 and all(g["verdict"] == "pass" for g in doc["llmopt"]["gates"])

@@ -176,3 +176,33 @@ def test_the_float16_store_reproduces_the_full_precision_kld():
     # against itself: only the store's rounding, tiny beside any difference a gate looks at
     self_kld, self_same, _ = position_stats(base_lp, torch.log_softmax(h_base @ w_base.t(), dim=-1), nll, nll)
     assert 0 <= self_kld.mean().item() < 1e-5 and self_same.double().mean() >= 0.99
+
+
+def test_topk_kld_is_a_lower_bound_and_exact_when_the_known_tokens_hold_all_the_mass():
+    """An endpoint's KLD from the candidate's top-k + a tail bucket (kld.topk_position_stats)."""
+    from llmopt.eval.kld import topk_position_stats
+
+    gen = torch.Generator().manual_seed(0)
+    vocab, rows = 50, 40
+    base = torch.log_softmax(2 * torch.randn(rows, vocab, generator=gen), -1)
+    cand = torch.log_softmax(base + torch.randn(rows, vocab, generator=gen), -1)
+    targets = torch.randint(0, vocab, (rows,), generator=gen)
+    nll_b, nll_c = -base.gather(1, targets[:, None]).squeeze(1), -cand.gather(1, targets[:, None]).squeeze(1)
+    full, same, delta = position_stats(base, cand, nll_b, nll_c)
+    everything = torch.arange(vocab).repeat(rows, 1)
+    exact, same_all, _ = topk_position_stats(base, everything, cand, nll_b, nll_c)
+    assert torch.allclose(exact, full, atol=1e-9) and torch.equal(same_all, same)
+    previous = torch.zeros(rows, dtype=torch.float64)
+    for k in (1, 5, 20):  # more known tokens: a finer partition, never a smaller KLD
+        values, ids = cand.topk(k, dim=1)
+        approx, same_k, delta_k = topk_position_stats(base, ids, values, nll_b, nll_c)
+        assert torch.all(approx <= full + 1e-9) and torch.all(approx >= previous - 1e-9)
+        assert torch.equal(same_k, same) and torch.allclose(delta_k, delta)
+        previous = approx
+    assert previous.mean() > 0.5 * full.mean()
+    # padding (-1) is ignored: the same known tokens padded give the same values
+    values, ids = cand.topk(5, dim=1)
+    padded_ids = torch.cat([ids, torch.full((rows, 3), -1)], 1)
+    padded_values = torch.cat([values, torch.zeros(rows, 3)], 1)
+    assert torch.allclose(topk_position_stats(base, padded_ids, padded_values, nll_b, nll_c)[0],
+                          topk_position_stats(base, ids, values, nll_b, nll_c)[0])

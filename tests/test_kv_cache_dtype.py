@@ -161,8 +161,10 @@ def test_cli_bad_kv_cache_dtype_exits_2(command):
 def test_vllm_gets_the_flag_when_set(monkeypatch):
     from llmopt.cli import serve
 
+    from llmopt.cli.engine_args import EngineArgs
+
     monkeypatch.setattr(serve.shutil, "which", lambda name: "/usr/bin/vllm")
-    args = ("m", "127.0.0.1", 8000, None, None, 8, 512, None, 16, True, 0.9, 1, None, "auto")
-    assert "--kv-cache-dtype" not in serve.vllm_command(*args)
-    argv = serve.vllm_command(*args, kv_cache_dtype="fp8")
+    args = ("m", "127.0.0.1", 8000, None, None)
+    assert "--kv-cache-dtype" not in serve.vllm_command(*args, EngineArgs(max_num_seqs=8))
+    argv = serve.vllm_command(*args, EngineArgs(max_num_seqs=8, kv_cache_dtype="fp8"))
     assert argv[argv.index("--kv-cache-dtype") + 1] == "fp8"

@@ -167,3 +167,41 @@ def _by_hand(model, ids: list[int]) -> float:
         hidden = model.model(t, torch.arange(len(ids)), EqualLengthAttention(1, len(ids)))
         logp = torch.log_softmax(model.model.compute_logits(hidden).double(), dim=-1)
     return float(sum(logp[i - 1, ids[i]] for i in range(1, len(ids))))
+
+
+def test_cli_lm_eval_tasks_from_an_include_path_equal_the_built_in_mmlu(model, tmp_path):
+    """`llmopt eval MODEL --tasks lm-eval:TASK --lm-eval-include-path DIR`: lm-eval's schema in --output, its
+    per-task sample JSONL, and the same accuracy as the built-in MMLU on the same rows."""
+    from conftest import run_cli
+
+    questions = [q for q in load_mmlu(None) if q.subject in ("anatomy", "virology")][:12]
+    rows = [{"subject": q.subject, "question": q.question, "choices": list(q.choices), "answer": q.answer}
+            for q in questions]
+    folder = _write(tmp_path, "mmlu", MMLU_YAML, rows)
+    spec = str(model.source.path)
+    code, err, out = run_cli("eval", spec, "--tasks", "lm-eval:llmopt_local_mmlu", "--lm-eval-include-path",
+                             str(folder), "--output", str(tmp_path / "lm.json"), "--log-samples", "--json")
+    assert code == 0, err
+    assert "lm-eval llmopt_local_mmlu: acc " in err  # the summary line (stderr under --json)
+    doc = json.loads((tmp_path / "lm.json").read_text())
+    entry = doc["results"]["llmopt_local_mmlu"]
+    assert {"alias", "acc,none", "acc_stderr,none"} <= set(entry)
+    assert doc["n-shot"]["llmopt_local_mmlu"] == 0 and doc["higher_is_better"]["llmopt_local_mmlu"]["acc"] is True
+    samples = Path(doc["llmopt"]["samples_files"]["llmopt_local_mmlu"]).read_text().splitlines()
+    assert len(samples) == len(questions) and "resps" in json.loads(samples[0])
+    # built-in and lm-eval tasks in one run: one JSON, both in results, llmopt's gates beside
+    code, err, out = run_cli("eval", spec, "--tasks", "mmlu,lm-eval:llmopt_local_mmlu", "--lm-eval-include-path",
+                             str(folder), "--mmlu-path", str(tmp_path / "mmlu.jsonl"), "--no-cache", "--json")
+    assert code == 0, err
+    both = json.loads(out)
+    assert both["results"]["mmlu"]["acc,none"] == pytest.approx(entry["acc,none"])
+    assert both["results"]["llmopt_local_mmlu"]["acc,none"] == entry["acc,none"]
+    assert both["n-shot"]["mmlu"] == 0 and "llmopt_local_mmlu" in both["higher_is_better"]
+    assert both["llmopt"]["gates"] == [] and both["llmopt"]["exit_code"] == 0
+
+
+def test_cli_unknown_lm_eval_task_is_one_line(model, tmp_path):
+    from conftest import assert_usage_error
+
+    assert_usage_error(["eval", str(model.source.path), "--tasks", "lm-eval:no_such_task_xyz",
+                        "--lm-eval-include-path", str(tmp_path)], "no_such_task_xyz")

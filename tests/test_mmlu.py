@@ -237,11 +237,17 @@ def test_bundled_subset():
     assert result.overall.n == len(questions) and len(result.subjects) == 57 and len(result.groups) == 4
     # every prediction is A, so accuracy is the share of answer 0
     assert result.overall.acc == pytest.approx(sum(x.answer == 0 for x in questions) / len(questions))
-    if mmlu.BUNDLED_DEV.exists():
-        assert Counter(x.subject for x in load_mmlu(None, "dev")) == {s: 5 for s in SUBJECTS}
-    else:
-        with pytest.raises(LlmoptError, match="no dev split"):
-            load_mmlu(None, split="dev")
+    # the whole dev split ships too, so 5-shot works offline (lm-eval's first_n: a subject's dev rows in order)
+    dev = load_mmlu(None, "dev")
+    assert Counter(x.subject for x in dev) == {s: 5 for s in SUBJECTS}
+    algebra = next(x for x in questions if x.subject == "abstract_algebra")
+    [request] = build_requests([algebra], num_fewshot=5, dev=dev)
+    assert request.context.count("\nAnswer:") == 6
+    assert request.context.startswith("The following are multiple choice questions (with answers) about abstract "
+                                      "algebra.\n\nFind all c in Z_3 such that Z_3[x]/(x^2 + c) is a field.\nA. 0\n")
+    assert "\nD. 3\nAnswer: B\n\n" in request.context  # its answer is 1: " B"
+    with pytest.raises(LlmoptError, match="only 5 examples"):
+        build_requests([algebra], num_fewshot=6, dev=dev)
 
 
 def test_bundled_licence_ships_with_the_data():
@@ -365,3 +371,31 @@ def test_hub_unreachable_offline():
         load_mmlu("hf:llmopt-test/no-such-mmlu")
     message = str(e.value)
     assert "hf:llmopt-test/no-such-mmlu:all" in message and "--mmlu-path" in message and "bundled" in message
+
+
+def test_contexts_get_bos_as_lm_eval_adds_it():
+    """lm-eval's add_bos_token: BOS before every context where the tokenizer adds one by default
+    (`--add-bos/--no-add-bos` override); the continuation's tokens are unchanged."""
+    from tokenizers import processors
+
+    from conftest import make_byte_tokenizer
+    from llmopt.core.tokenizer import Tokenizer
+    from llmopt.eval.loglikelihood import encode_pairs
+    from llmopt.eval.text import context_bos_id
+
+    plain = Tokenizer(backend=make_byte_tokenizer(), bos_token="<|im_start|>", eos_token="<|im_end|>")
+    backend = make_byte_tokenizer()
+    bos = backend.token_to_id("<|im_start|>")
+    backend.post_processor = processors.TemplateProcessing(single="<|im_start|> $A", special_tokens=[("<|im_start|>", bos)])
+    adding = Tokenizer(backend=backend, bos_token="<|im_start|>", eos_token="<|im_end|>")
+    assert context_bos_id(plain, None) is None and context_bos_id(adding, None) == bos
+    assert context_bos_id(adding, False) is None and context_bos_id(plain, True) == bos
+    pairs = [("Question: 2+2?\nAnswer:", " 4")]
+    [(ctx, cont)] = encode_pairs(adding, pairs, context_bos_id(adding, None))
+    [(ctx_plain, cont_plain)] = encode_pairs(plain, pairs)
+    assert ctx == [bos, *ctx_plain] and cont == cont_plain
+    # what lm-eval's HFLM encodes with add_special_tokens (the tokenizer's default): the same ids
+    whole = adding.encode(pairs[0][0] + pairs[0][1], add_special_tokens=True)
+    assert whole == ctx + cont
+    with pytest.raises(LlmoptError, match="no BOS"):
+        context_bos_id(Tokenizer(backend=make_byte_tokenizer()), True)

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import subprocess
+import sys
 
 import httpx
 import pytest
@@ -75,3 +78,25 @@ def test_errors_and_unsupported_logprobs(server):
     assert resp.status_code == 400 and "logprobs" in resp.json()["error"]["message"]
     assert post(server, "/v1/completions", {"prompt": "hi"}, key="wrong").status_code == 401
     assert 'llmopt:num_requests_running{model_name="default"} 0.0' in httpx.get(server + "/metrics").text
+
+
+def test_one_constructor_for_generate_and_serve(tmp_path):
+    """`LlamaCppEngine.from_spec` takes what both commands accept: 'default' or a .gguf file; both
+    engines the server drives are `ServingEngine`s."""
+    from conftest import assert_usage_error
+    from llmopt.runtime.llamacpp_engine import LlamaCppEngine
+    from llmopt.runtime.serving_engine import ServingEngine
+
+    engine = LlamaCppEngine.from_spec("default", max_model_len=128)
+    try:
+        assert isinstance(engine, ServingEngine) and engine.max_model_len == 128
+    finally:
+        engine.shutdown()
+    # in a process of its own, as the server runs: a crash inside llama.cpp fails this test, not the session
+    out = subprocess.run([sys.executable, "-m", "llmopt", "generate", "default", "--engine", "llama.cpp", "-p",
+                          "The capital of France is", "--no-chat", "-n", "4", "--temperature", "0", "--ignore-eos",
+                          "--json"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["requests"][0]["num_generated_tokens"] == 4
+    assert_usage_error(["generate", str(tmp_path / "missing.gguf"), "-p", "hi", "--engine", "llama.cpp"],
+                       "does not exist")

@@ -20,7 +20,8 @@ from typing import Any
 from llmopt.bench.datasets import BenchRequest, make_workload
 from llmopt.bench.loadgen import ENDPOINTS, Endpoint, run_load
 from llmopt.bench.serve_metrics import RequestResult, compute_metrics
-from llmopt.bench.server import LAUNCHERS, base_url, launched_server, probe
+from llmopt.bench.server import LAUNCHERS, launched_server
+from llmopt.openai_http import base_url, probe
 from llmopt.core import load_tokenizer
 from llmopt.errors import LlmoptError
 

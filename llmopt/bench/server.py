@@ -1,7 +1,6 @@
-"""The server under test: probe a URL before any load, or launch one as a subprocess.
+"""The server under test, launched as a subprocess (a running one is probed with `llmopt.openai_http.probe`).
 
-`probe` fails fast (LlmoptError, one line) when nothing answers, and reads the served model's
-name from `/v1/models`. `launched_server` starts `llmopt serve SPEC` (or llama-cpp-python's own
+`launched_server` starts `llmopt serve SPEC` (or llama-cpp-python's own
 OpenAI server on a GGUF file) on a free local port, waits until `/v1/models` answers, and
 terminates it afterwards. The bench talks to either only over HTTP.
 """
@@ -22,35 +21,8 @@ import httpx
 
 from llmopt.errors import LlmoptError
 
+
 LAUNCHERS = ("llmopt", "llama-cpp")
-
-
-def base_url(url: str) -> str:
-    """'http://h:p/v1/' -> 'http://h:p': the endpoints are added to this."""
-    url = url.strip().rstrip("/")
-    if not url.startswith(("http://", "https://")):
-        raise LlmoptError(f"--url must start with http:// or https://, got {url!r}")
-    return url.removesuffix("/v1")
-
-
-def probe(url: str, api_key: str | None = None, served_model_name: str | None = None, timeout: float = 10.0) -> str:
-    """The model name to send: `served_model_name`, else the first id `/v1/models` lists.
-    Raises LlmoptError when the server cannot be reached or refuses us."""
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    try:
-        response = httpx.get(url + "/v1/models", headers=headers, timeout=timeout)
-    except httpx.HTTPError as exc:
-        raise LlmoptError(f"cannot reach {url}/v1/models: {type(exc).__name__}: {exc or 'no answer'}") from None
-    if response.status_code in (401, 403):
-        raise LlmoptError(f"{url}/v1/models answered HTTP {response.status_code}: pass the server's key with --api-key")
-    if served_model_name:
-        return served_model_name
-    try:
-        response.raise_for_status()
-        return str(response.json()["data"][0]["id"])
-    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError):
-        raise LlmoptError(f"{url}/v1/models (HTTP {response.status_code}) lists no model: "
-                          "give --served-model-name") from None
 
 
 def free_port() -> int:

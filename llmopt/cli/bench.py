@@ -3,30 +3,15 @@ serve (an online load generator for any OpenAI-compatible endpoint) and compare 
 
 from __future__ import annotations
 
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
-from llmopt.cli.common import (
-    BLOCK_SIZE,
-    DEVICE,
-    DTYPE,
-    GPU_MEMORY_UTILIZATION,
-    KV_CACHE_DTYPE,
-    KV_CACHE_MEMORY,
-    MAX_MODEL_LEN,
-    MAX_NUM_BATCHED_TOKENS,
-    MAX_NUM_SEQS,
-    PREFIX_CACHING,
-    console,
-    engine_config,
-    err_console,
-    handles_errors,
-    print_json,
-)
+from llmopt.cli.common import console, err_console, handles_errors, print_json
+from llmopt.cli.engine_args import EngineArgs, engine_options
 
 app = typer.Typer(help="Benchmarks: engines side by side, online load, latency, comparisons.", no_args_is_help=True)
 
@@ -57,6 +42,7 @@ def _table(title: str, columns: list[str], rows: list[list[str]]) -> Table:
 
 
 @handles_errors
+@engine_options()
 def throughput(
     model: str = typer.Argument("default", help="'default', a model folder (AWQ/GPTQ too), a .gguf file or a hub id"),
     engines: str = typer.Option("llmopt", "--engines", help="Comma-separated: hf, hf-batch, llmopt, llama.cpp, vllm."),
@@ -71,18 +57,9 @@ def throughput(
     hf_max_requests: int = typer.Option(8, "--hf-max-requests", help="hf: time the first N requests (0: all)."),
     gguf: str | None = typer.Option(None, "--gguf", help="llama.cpp: the GGUF file (default: the model's own)."),
     threads: int | None = THREADS,
-    max_num_seqs: int = MAX_NUM_SEQS,
-    max_num_batched_tokens: int = MAX_NUM_BATCHED_TOKENS,
-    max_model_len: int | None = MAX_MODEL_LEN,
-    block_size: int = BLOCK_SIZE,
-    enable_prefix_caching: bool = PREFIX_CACHING,
-    kv_cache_memory: str | None = KV_CACHE_MEMORY,
-    gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION,
-    kv_cache_dtype: str = KV_CACHE_DTYPE,
-    dtype: str = DTYPE,
-    device: str = DEVICE,
     output: Path | None = OUTPUT_DIR,
     json_out: bool = JSON_OUT,
+    engine_args: EngineArgs = EngineArgs(),
 ) -> None:
     """Offline throughput: one workload through several engines, side by side, in one run."""
     from llmopt.bench.engines import EngineOptions
@@ -90,9 +67,9 @@ def throughput(
     from llmopt.bench.results import prepare_output_dir
     from llmopt.bench.throughput import TABLE_COLUMNS, ThroughputConfig, parse_engines, run_throughput, table_rows
 
-    config = engine_config(max_num_seqs, max_num_batched_tokens, max_model_len, block_size, enable_prefix_caching,
-                           kv_cache_memory, gpu_memory_utilization, kv_cache_dtype)
-    options = EngineOptions(dtype=dtype, device=device, engine_config=asdict(config), hf_batch_size=hf_batch_size,
+    config = engine_args.engine_config()
+    options = EngineOptions(dtype=engine_args.dtype, device=engine_args.device, engine_config=asdict(config),
+                            hf_batch_size=hf_batch_size,
                             hf_max_requests=hf_max_requests or None, gguf=gguf, threads=threads)
     if output is not None:
         prepare_output_dir(output)
@@ -126,6 +103,8 @@ app.command("throughput")(throughput)
 
 
 @handles_errors
+# the batch sizes set max_num_seqs; every sequence is input_len + output_len long, none shares a prefix
+@engine_options(exclude=("max_num_seqs", "max_model_len", "enable_prefix_caching"))
 def latency(
     model: str = typer.Argument("default", help="'default', a model folder (AWQ/GPTQ too), a .gguf file or a hub id"),
     engines: str = typer.Option("llmopt", "--engines", help="llmopt and/or llama.cpp (batch 1)."),
@@ -137,15 +116,9 @@ def latency(
     seed: int = SEED,
     gguf: str | None = typer.Option(None, "--gguf", help="llama.cpp: the GGUF file (default: the model's own)."),
     threads: int | None = THREADS,
-    max_num_batched_tokens: int = MAX_NUM_BATCHED_TOKENS,
-    block_size: int = BLOCK_SIZE,
-    kv_cache_memory: str | None = KV_CACHE_MEMORY,
-    gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION,
-    kv_cache_dtype: str = KV_CACHE_DTYPE,
-    dtype: str = DTYPE,
-    device: str = DEVICE,
     output: Path | None = OUTPUT_DIR,
     json_out: bool = JSON_OUT,
+    engine_args: EngineArgs = EngineArgs(),
 ) -> None:
     """Prefill and decode latency at fixed batch sizes, with the memory roofline (ideal decode tokens/s)."""
     from llmopt.bench.engines import EngineOptions
@@ -158,9 +131,9 @@ def latency(
         sizes = [int(b) for b in batch_size.split(",") if b.strip()]
     except ValueError:
         raise LlmoptError(f"--batch-size takes comma-separated integers, not {batch_size!r}") from None
-    config = engine_config(max(sizes, default=1), max_num_batched_tokens, None, block_size, False, kv_cache_memory,
-                           gpu_memory_utilization, kv_cache_dtype)
-    options = EngineOptions(dtype=dtype, device=device, engine_config=asdict(config), gguf=gguf, threads=threads)
+    config = replace(engine_args.engine_config(), max_num_seqs=max(sizes, default=1), enable_prefix_caching=False)
+    options = EngineOptions(dtype=engine_args.dtype, device=engine_args.device, engine_config=asdict(config),
+                            gguf=gguf, threads=threads)
     bench = LatencyConfig(model=model, engines=[e.strip() for e in engines.split(",") if e.strip()],
                           batch_sizes=sizes, input_len=input_len, output_len=output_len,
                           num_iters_warmup=num_iters_warmup, num_iters=num_iters, seed=seed, options=options)

@@ -6,27 +6,18 @@ import json
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
 
-from llmopt.cli.common import (
-    BLOCK_SIZE,
-    DEVICE,
-    DTYPE,
-    GPU_MEMORY_UTILIZATION,
-    KV_CACHE_DTYPE,
-    KV_CACHE_MEMORY,
-    MAX_MODEL_LEN,
-    MAX_NUM_BATCHED_TOKENS,
-    MAX_NUM_SEQS,
-    PREFIX_CACHING,
-    engine_config,
-    err_console,
-    handles_errors,
-    print_json,
-)
+from llmopt.cli.common import err_console, handles_errors, print_json
+from llmopt.cli.engine_args import EngineArgs, engine_options
 from llmopt.errors import LlmoptError
+
+if TYPE_CHECKING:
+    from llmopt.runtime import SamplingParams
+    from llmopt.runtime.outputs import RequestOutput
+    from llmopt.runtime.serving_engine import ServingEngine
 
 
 def read_prompts_file(path: Path) -> list[Any]:
@@ -59,6 +50,7 @@ def read_prompts_file(path: Path) -> list[Any]:
 
 
 @handles_errors
+@engine_options()
 def generate(
     model: str = typer.Argument("default", help="'default', a model folder, a .gguf file or a hub id"),
     prompt: list[str] = typer.Option([], "--prompt", "-p", help="A prompt (a user message for chat models); repeatable."),
@@ -76,18 +68,9 @@ def generate(
     frequency_penalty: float = typer.Option(0.0, "--frequency-penalty"),
     repetition_penalty: float = typer.Option(1.0, "--repetition-penalty"),
     ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Keep going past end-of-sequence."),
-    max_num_seqs: int = MAX_NUM_SEQS,
-    max_num_batched_tokens: int = MAX_NUM_BATCHED_TOKENS,
-    max_model_len: int | None = MAX_MODEL_LEN,
-    block_size: int = BLOCK_SIZE,
-    enable_prefix_caching: bool = PREFIX_CACHING,
-    kv_cache_memory: str | None = KV_CACHE_MEMORY,
-    kv_cache_dtype: str = KV_CACHE_DTYPE,
-    gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION,
-    dtype: str = DTYPE,
-    device: str = DEVICE,
     engine: str = typer.Option("llmopt", "--engine", help="llmopt (our paged runtime) or llama.cpp (a .gguf file through llama-cpp-python, one request at a time)."),
     json_output: bool = typer.Option(False, "--json", help="Print one JSON document."),
+    engine_args: EngineArgs = EngineArgs(),
 ) -> None:
     """Generate completions for one or many prompts, continuously batched."""
     from llmopt.runtime import SamplingParams
@@ -101,23 +84,18 @@ def generate(
                             seed=seed, stop=stop or None, presence_penalty=presence_penalty,
                             frequency_penalty=frequency_penalty, repetition_penalty=repetition_penalty,
                             ignore_eos=ignore_eos)
-    config = engine_config(max_num_seqs, max_num_batched_tokens, max_model_len, block_size, enable_prefix_caching,
-                           kv_cache_memory, gpu_memory_utilization, kv_cache_dtype)
+    config = engine_args.engine_config()  # bad flags are reported before any model loads
     if engine not in ("llmopt", "llama.cpp"):
         raise LlmoptError(f"unknown engine {engine!r}; choose llmopt or llama.cpp")
     if engine == "llama.cpp":
-        if not model.endswith(".gguf"):
-            raise LlmoptError("--engine llama.cpp runs .gguf files; pass one (llmopt quantize --method gguf writes them)")
-        from llmopt.core import resolve
-        from llmopt.serve.llamacpp_engine import LlamaCppEngine
+        from llmopt.runtime.llamacpp_engine import LlamaCppEngine
 
-        resolve(model)  # a missing or unreadable file is reported before llama.cpp sees it
-        llm_engine = LlamaCppEngine(Path(model), max_model_len=max_model_len)
+        llm_engine = LlamaCppEngine.from_spec(model, max_model_len=engine_args.max_model_len)
     else:
         from llmopt.core import load
         from llmopt.runtime.llm import LLM
 
-        llm = LLM(load(model, dtype=dtype, device=device), **asdict(config))
+        llm = LLM(load(model, dtype=engine_args.dtype, device=engine_args.device), engine_config=config)
         llm_engine = llm.engine
     tokenizer = llm_engine.tokenizer
     use_chat = tokenizer.is_chat if chat is None else chat
@@ -177,7 +155,7 @@ def generate(
         raise typer.Exit(2)
 
 
-def _generate_llamacpp(engine, requests: list[Any], params) -> list:
+def _generate_llamacpp(engine: ServingEngine, requests: list[Any], params: SamplingParams) -> list[RequestOutput]:
     """Final outputs of each request through the llama.cpp engine (it serves them in order)."""
     import asyncio
 

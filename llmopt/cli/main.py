@@ -14,6 +14,7 @@ from llmopt.cli import generate as generate_cmd
 from llmopt.cli import models as models_cmd
 from llmopt.cli import plan as plan_cmd
 from llmopt.cli import quantize as quantize_cmd
+from llmopt.cli import run as run_cmd
 from llmopt.cli import serve as serve_cmd
 from llmopt.cli.common import DEBUG
 
@@ -65,6 +66,7 @@ app.command("eval")(eval_cmd.eval_command)
 app.command("generate")(generate_cmd.generate)
 app.command("serve")(serve_cmd.serve)
 app.command("plan")(plan_cmd.plan)
+app.command("run")(run_cmd.run)
 app.add_typer(bench_cmd.app, name="bench")
 app.add_typer(models_cmd.app, name="models")
 

@@ -108,7 +108,13 @@ class Tokenizer:
 
     # ---- text <-> ids ---------------------------------------------------------------
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        try:
+            return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        except TypeError:
+            # Python strings may hold lone UTF-16 surrogates (JSON's "\ud800" decodes to one); Rust's may not
+            if isinstance(text, str) and any("\ud800" <= c <= "\udfff" for c in text):
+                raise LlmoptError("the text holds a lone UTF-16 surrogate (e.g. \\ud800): not valid Unicode") from None
+            raise
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)

@@ -80,15 +80,51 @@ def kld_logprobs(hidden: torch.Tensor, lm_head: torch.Tensor) -> torch.Tensor:
     return torch.log_softmax(hidden.to(STORE_DTYPE).float() @ lm_head.float().t(), dim=-1)
 
 
+def _kld_terms(p_log: torch.Tensor, q_log: torch.Tensor) -> torch.Tensor:
+    """Row sums of p (log p - log q) over the entries with log p > -16 (llama.cpp's cut-off)."""
+    return torch.where(p_log > LOG_P_FLOOR, p_log.exp() * (p_log - q_log), torch.zeros_like(p_log)).sum(dim=1)
+
+
+def _delta_p(nll_base: torch.Tensor, nll_cand: torch.Tensor) -> torch.Tensor:
+    return torch.exp(-nll_cand.double()) - torch.exp(-nll_base.double())
+
+
 def position_stats(base_logprobs: torch.Tensor, cand_logprobs: torch.Tensor, nll_base: torch.Tensor,
                    nll_cand: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per row, as llama.cpp: KLD(base || cand) over tokens with log p_base > -16, same top (0/1), Δp at the observed token."""
-    p_log = base_logprobs.double()
-    q_log = cand_logprobs.double()
-    kld = torch.where(p_log > LOG_P_FLOOR, p_log.exp() * (p_log - q_log), torch.zeros_like(p_log)).sum(dim=1)
+    kld = _kld_terms(base_logprobs.double(), cand_logprobs.double())
     same = (cand_logprobs.argmax(dim=1) == base_logprobs.argmax(dim=1)).to(torch.int32)
-    delta_p = torch.exp(-nll_cand.double()) - torch.exp(-nll_base.double())
-    return kld, same, delta_p
+    return kld, same, _delta_p(nll_base, nll_cand)
+
+
+TAIL_FLOOR = 1e-12  # a bucket's mass below this (rounding in a server's top-k) counts as this
+
+
+def topk_position_stats(base_logprobs: torch.Tensor, cand_ids: torch.Tensor, cand_logprobs: torch.Tensor,
+                        nll_base: torch.Tensor, nll_cand: torch.Tensor
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`position_stats` when the candidate is known only by its top-k log-probs (an OpenAI endpoint).
+
+    `cand_ids`/`cand_logprobs` [n, K]: the candidate's known tokens per row (its top-k and the
+    observed token; id -1 pads). KLD is computed exactly for the distributions coarsened to
+    those K tokens plus one bucket holding the rest of each side's mass (the tail: 1 - the
+    known tokens' probabilities), with llama.cpp's -16 cut-off applied to every bucket. By the
+    log-sum inequality a coarsened KLD never exceeds the full one: this is a lower bound, equal
+    to the full KLD when the known tokens hold all of both distributions' mass. Δp is exact
+    (it reads the observed token's probabilities); same top takes the candidate's most likely
+    known token, exact whenever its top token is among the known ones.
+    """
+    p_all = base_logprobs.double()
+    known = cand_ids >= 0
+    ids = cand_ids.clamp(min=0)
+    q_log = torch.where(known, cand_logprobs.double(), torch.full_like(cand_logprobs, -math.inf, dtype=torch.float64))
+    p_log = torch.where(known, p_all.gather(1, ids), torch.full_like(q_log, -math.inf))
+    p_rest = (1 - p_log.exp().sum(dim=1)).clamp(min=TAIL_FLOOR)
+    q_rest = (1 - q_log.exp().sum(dim=1)).clamp(min=TAIL_FLOOR)
+    kld = _kld_terms(torch.cat([p_log, p_rest.log()[:, None]], 1), torch.cat([q_log, q_rest.log()[:, None]], 1))
+    cand_top = ids.gather(1, q_log.argmax(dim=1, keepdim=True)).squeeze(1)
+    same = (cand_top == base_logprobs.argmax(dim=1)).to(torch.int32)
+    return kld, same, _delta_p(nll_base, nll_cand)
 
 
 def mean_and_uncertainty(values: np.ndarray) -> tuple[float, float]:

@@ -5,14 +5,19 @@
 `TaskManager(include_path=DIR)`) on llmopt, instead of re-implementing them one by one:
 
 - `loglikelihood`: (context, continuation) pairs through `loglikelihood.py` (lm-eval's
-  `_encode_pair` tokenization, no special tokens, an empty context becomes EOS; packed,
-  batched forwards), with lm-eval's `is_greedy`;
+  `_encode_pair` tokenization, BOS before each context where the tokenizer adds one or
+  `add_bos` says, an empty context becomes BOS or EOS; packed, batched forwards), with
+  lm-eval's `is_greedy`;
 - `loglikelihood_rolling`: lm-eval's own rolling windows (`get_rolling_token_windows` +
   `make_disjoint_window`, windows of the model's context, EOS as the prefix token, as
   HFLM does when it adds no BOS), scored the same way and summed per document;
 - `generate_until`: the paged runtime (`runtime.LLM`), all requests in one continuously
   batched run: greedy unless `do_sample`, stopping at `until` and the model's EOS, at most
   `max_gen_toks` tokens, the prompt left-truncated to leave room for them.
+
+`evaluate_tasks` runs a list of tasks through `simple_evaluate` (what `llmopt eval --tasks
+lm-eval:TASK` calls). Rolling windows and generation prompts get no BOS yet (HFLM adds the
+tokenizer's default there too).
 
 lm-eval is an optional extra (`pip install 'llmopt[lm-eval]'`, lm-eval 0.4.x).
 """
@@ -32,9 +37,13 @@ DEFAULT_MAX_GEN_TOKS = 256  # lm-eval's default when a task gives none
 class LlmoptLM(LM):
     """A loaded llmopt model (`core.load`) as an lm-eval language model."""
 
-    def __init__(self, loaded, engine: dict[str, Any] | None = None, batch_tokens: int = DEFAULT_BATCH_TOKENS):
+    def __init__(self, loaded, engine: dict[str, Any] | None = None, batch_tokens: int = DEFAULT_BATCH_TOKENS,
+                 add_bos: bool | None = None):
         super().__init__()
+        from llmopt.eval.text import context_bos_id
+
         self.loaded = loaded
+        self.bos_id = context_bos_id(loaded.tokenizer, add_bos)  # lm-eval's add_bos_token (None: the tokenizer's)
         self.engine_config = dict(engine or {})
         self.batch_tokens = batch_tokens
         self._llm = None
@@ -55,7 +64,7 @@ class LlmoptLM(LM):
         pairs = [tuple(req.args) for req in requests]
         if not pairs:
             return []
-        jobs, _ = plan_jobs(self.loaded.tokenizer, pairs, self.max_length)
+        jobs, _ = plan_jobs(self.loaded.tokenizer, pairs, self.max_length, self.bos_id)
         totals, greedy = run_jobs(self.loaded.model, jobs, len(pairs), self.batch_tokens)
         return list(zip(totals, greedy))
 
@@ -103,3 +112,23 @@ class LlmoptLM(LM):
                 text = text.split(stop)[0]
             texts.append(text)
         return texts
+
+
+def evaluate_tasks(loaded, tasks: list[str], *, include_path: str | None = None, num_fewshot: int | None = None,
+                   limit: int | float | None = None, engine: dict[str, Any] | None = None,
+                   add_bos: bool | None = None, log_samples: bool = False) -> dict[str, Any]:
+    """lm-eval's own tasks (and those under `include_path`) on a loaded model: `simple_evaluate`'s output
+    (results, n-shot, higher_is_better, configs, versions, n-samples; samples when `log_samples`)."""
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    from llmopt.errors import LlmoptError
+
+    manager = TaskManager(include_path=include_path)
+    unknown = [t for t in tasks if t not in manager.all_tasks]
+    if unknown:
+        where = f" or under --lm-eval-include-path {include_path}" if include_path else ""
+        raise LlmoptError(f"lm-eval has no task {', '.join(unknown)}{where} (offline, a hub-backed task also needs "
+                          "its data in the datasets cache)")
+    return simple_evaluate(model=LlmoptLM(loaded, engine=engine, add_bos=add_bos), tasks=tasks, task_manager=manager,
+                           num_fewshot=num_fewshot, limit=limit, log_samples=log_samples)

@@ -3,9 +3,10 @@
 Encoding follows lm-eval's `_encode_pair`: trailing spaces of the context move to the
 front of the continuation, `whole = encode(context + continuation)`, `ctx = encode(context)`
 and the continuation's tokens are `whole[len(ctx):]` (so a merge across the boundary is
-scored the way lm-eval scores it). No special tokens are added (lm-eval's default for
-causal models); an empty context becomes the EOS token. Inputs longer than the model's
-context are cut from the left, keeping the continuation.
+scored the way lm-eval scores it). BOS goes before every context where the caller passes
+one: lm-eval 0.4's `add_bos_token`, which by default follows the tokenizer (`text.context_bos_id`;
+`--add-bos/--no-add-bos`); no other special tokens. An empty context becomes BOS, else EOS.
+Inputs longer than the model's context are cut from the left, keeping the continuation.
 
 Fast path: when every continuation of a context is one token (MMLU's " A".." D" on BPE
 tokenizers), one forward over the context answers them all from its last position.
@@ -65,8 +66,10 @@ def encode_pair(encode: Callable[[str], list[int]], context: str, continuation: 
     return ctx, whole[len(ctx):]
 
 
-def plan_jobs(tokenizer, pairs: Sequence[tuple[str, str]], max_length: int) -> tuple[list[_Job], bool]:
-    """The sequences to run for `pairs`, and whether every context took the one-forward fast path."""
+def encode_pairs(tokenizer, pairs: Sequence[tuple[str, str]], bos_id: int | None = None
+                 ) -> list[tuple[list[int], list[int]]]:
+    """(context ids, continuation ids) of each pair, as lm-eval encodes them: with `bos_id`, BOS first in every
+    context (lm-eval's `add_bos_token`); an empty context is BOS, or else EOS (lm-eval's prefix token)."""
     encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
     eos = (tokenizer.eos_token_ids or [0])[0]
     ctx_cache: dict[str, list[int]] = {}  # every MMLU question's context is asked for four times
@@ -84,8 +87,17 @@ def plan_jobs(tokenizer, pairs: Sequence[tuple[str, str]], max_length: int) -> t
             ctx, cont = [], encode(context + continuation)
         if not cont:
             raise LlmoptError(f"continuation {continuation!r} encodes to no tokens after context {context[-40:]!r}")
+        if bos_id is not None:
+            ctx = [bos_id, *ctx]
         encoded.append((ctx or [eos], cont))
+    return encoded
 
+
+def plan_jobs(tokenizer, pairs: Sequence[tuple[str, str]], max_length: int, bos_id: int | None = None
+              ) -> tuple[list[_Job], bool]:
+    """The sequences to run for `pairs` (`bos_id`: see `encode_pairs`), and whether every context took the
+    one-forward fast path."""
+    encoded = encode_pairs(tokenizer, pairs, bos_id)
     by_context: dict[tuple[int, ...], list[int]] = {}
     for i, (ctx, _) in enumerate(encoded):
         by_context.setdefault(tuple(ctx), []).append(i)
@@ -150,11 +162,12 @@ def run_jobs(model, jobs: list[_Job], num_pairs: int, batch_tokens: int = DEFAUL
 
 
 def loglikelihoods(loaded, pairs: Sequence[tuple[str, str]], batch_tokens: int = DEFAULT_BATCH_TOKENS,
-                   on_progress: Callable[[int, int], None] | None = None) -> list[float]:
-    """log P(continuation | context) for each (context, continuation) pair of a LoadedModel, in order."""
+                   on_progress: Callable[[int, int], None] | None = None, bos_id: int | None = None) -> list[float]:
+    """log P(continuation | context) for each (context, continuation) pair of a LoadedModel, in order
+    (`bos_id`: BOS before every context, see `encode_pairs`)."""
     if not pairs:
         return []
-    jobs, _ = plan_jobs(loaded.tokenizer, pairs, loaded.config.max_position_embeddings)
+    jobs, _ = plan_jobs(loaded.tokenizer, pairs, loaded.config.max_position_embeddings, bos_id)
     done = [0]
 
     def progress(n: int) -> None:

@@ -22,8 +22,8 @@ What we copy from lm-eval (v0.4, `lm_eval/tasks/mmlu/default`):
   a task: an integer keeps the first `limit` questions of each subject, a fraction < 1 keeps
   ceil(fraction * n) of them.
 
-Data: `load_mmlu(None)` is the bundled stratified subset (see scripts/make_mmlu_subset.py and
-data/MMLU_LICENSE.txt), a path is a local file in the cais/mmlu schema, "hf:cais/mmlu[:config]"
+Data: `load_mmlu(None)` is the bundled stratified subset of the test split, and
+`load_mmlu(None, "dev")` the whole dev split (see scripts/make_mmlu_subset.py and data/MMLU_LICENSE.txt), a path is a local file in the cais/mmlu schema, "hf:cais/mmlu[:config]"
 goes through `datasets`. Scoring needs no model: the caller passes log-likelihoods, or a
 function that computes them in one batch.
 """
@@ -75,7 +75,7 @@ SCHEMA_HINT = "expected the cais/mmlu schema: subject, question, choices (4 stri
 
 DATA_DIR = Path(__file__).parent / "data"
 BUNDLED_TEST = DATA_DIR / "mmlu_subset.jsonl.gz"
-# Written by make_mmlu_subset.py only when it was given a dev split; absent today.
+# The whole dev split (285 examples, 5 per subject, in the original order): few-shot offline.
 BUNDLED_DEV = DATA_DIR / "mmlu_dev.jsonl.gz"
 FILE_SUFFIXES = (".jsonl.gz", ".jsonl", ".parquet", ".json")
 

@@ -1,71 +1,27 @@
 """What `llmopt eval` runs: tasks, gates and task options, from built-in defaults, a recipe and flags.
 
-Precedence: a flag given on the command line > the recipe (`--recipe FILE`) > the
-defaults below. A recipe is JSON (or YAML) whose eval settings are either top-level or
-under an `"eval"` key (so a whole-workflow recipe can carry other sections); setting names
-are the flag names with `_` for `-` (`ctx_size`, `mmlu_path`, ...). An unknown
-setting is an error, not silently ignored. Write gates as strings: YAML reads `+0.5` as
-the number 0.5 and drops the sign, which is the meaning.
+Precedence: a flag given on the command line > the recipe's `eval` section (`--recipe FILE`,
+read by llmopt/recipes like every recipe: `extends`, unknown keys and types checked there) >
+the defaults. Setting names are the flag names with `_` for `-` (`ctx_size`, `mmlu_path`, ...).
 
-`DEFAULTS` is the default task set and gates, and recipes/default-gates.json is the same
-document written out for users to copy (a test keeps the two equal). Why these values:
-
-- Tasks ppl, kld, mmlu: what separates a good 4-bit model from a broken one on the default
-  model within the CI budget (< 10 minutes for baseline + candidate on 2 CPU cores).
-  HumanEval is left out of the default set: generating 164 programs of up to 384 tokens
-  costs far more than the rest together on a CPU, and a 135M model passes almost none of
-  them, so it would gate on nothing. Add it with `--tasks ppl,kld,mmlu,humaneval`.
-- ppl + KLD as llama.cpp's `llama-perplexity` windows them: `ctx_size` 512, 16 chunks
-  (8,192 tokens through each model, 16 x 255 = 4,080 scored). For KLD the baseline keeps
-  its float16 hidden states and vocabulary projection (59 MiB for the default model).
-- MMLU: the whole bundled subset (1,140 questions, 20 per subject), 0-shot.
-
-How each default bound was chosen, so that the shipped data can resolve it (a gate is
-resolved when its 95% CI lies wholly on one side of the bound; the CI half-widths below
-are from the reports in docs/benchmarks.md, AWQ and RTN w4 g64 vs the fp32 default model):
-
-- `ppl:+25%`: at 4,080 scored tokens the block-bootstrap CI of the relative perplexity
-  change is about ±3.4 points (RTN: [+20.5%, +27.2%]), so a candidate gets a verdict unless
-  it lies within ~3.4 points of the bound. AWQ (+12%) passes, RTN with one scale per row
-  (+73%) fails; plain RTN g64 (+23.8%) comes out inconclusive, which is the honest answer.
-- `kld.mean:0.25`: the CI is about ±0.015 nats at 4,080 tokens: AWQ (~0.13, issue 5's windows) passes, plain
-  RTN g64 (0.299, CI [0.285, 0.314]) fails significantly, one scale per row (0.66) by far.
-- `mmlu.acc:-3.0` on all 1,140 bundled questions: the paired CI half-width is 0.6 (RTN)
-  to 2.0 points (AWQ, more answers flipped both ways; RTN g64 measured [-0.70, +0.61]),
-  below the 3-point bound, so an unharmed candidate passes. On the 285 questions of 5 per
-  subject (the old default) it was ±3.2 points: the bound could not be resolved, hence
-  all 1,140 (~3.5 min per model on 2 idle CPU cores; the baseline's answers are cached). On this 135M model MMLU sits at
-  chance, so the gate only bites for larger models.
-- `humaneval.pass@1:-6.0` (when HumanEval runs, 164 problems): the half-width is about
-  1.96 sqrt(f / 164) for a fraction f of problems whose verdict flips: 4.8 points at
-  f = 10%, 5.9 at 15%; the old 3-point bound could not be resolved.
-- Fewer than `stats.MIN_UNITS` (30) items or token blocks: no interval, "inconclusive".
+`DEFAULTS` is the default task set and gates, read from llmopt/recipes/default-gates.yaml
+(a partial recipe: its comments say why each task and bound was chosen so that the shipped
+data can resolve it).
 """
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from llmopt.errors import LlmoptError
+from llmopt.recipes import builtin_defaults, load_recipe
+from llmopt.recipes.schema import EVAL_RUN_KEYS, EvalSection
 
 TASKS = ("ppl", "kld", "mmlu", "humaneval")
 HUMANEVAL_MODES = ("completion", "chat")
-
-DEFAULTS: dict[str, Any] = {
-    "description": "llmopt's default quality gates (what `llmopt eval MODEL --baseline BASE` runs without "
-                   "--tasks/--gate/--recipe). Gates of tasks that do not run are skipped.",
-    "tasks": ["ppl", "kld", "mmlu"],
-    "gates": ["ppl:+25%", "kld.mean:0.25", "mmlu.acc:-3.0", "humaneval.pass@1:-6.0"],
-    "ctx_size": 512,
-    "chunks": 16,
-    "mmlu_limit": None,
-    "humaneval_limit": None,
-    "bootstrap_samples": 1000,
-}
 
 
 @dataclass
@@ -95,37 +51,29 @@ class EvalSettings:
 
 
 SETTING_NAMES = {f.name for f in fields(EvalSettings)} - {"explicit_tasks", "gates_source"}
-RECIPE_ONLY = {"limit", "description", "name"}  # `limit` sets mmlu_limit and humaneval_limit
 
 
-def load_recipe(path: Path) -> dict[str, Any]:
-    path = Path(path).expanduser()
-    if not path.is_file():
-        raise LlmoptError(f"recipe {path} does not exist")
-    try:
-        text = path.read_text(encoding="utf-8")
-        if path.suffix.lower() in (".yaml", ".yml"):
-            import yaml
+def _defaults() -> dict[str, Any]:
+    defaults = builtin_defaults()
+    return {"description": defaults.description, **recipe_eval_settings(defaults.eval)}
 
-            data = yaml.safe_load(text)
-        else:
-            data = json.loads(text)
-    except (OSError, UnicodeDecodeError) as exc:
-        raise LlmoptError(f"cannot read recipe {path}: {exc}") from None
-    except Exception as exc:  # json.JSONDecodeError, yaml.YAMLError
-        raise LlmoptError(f"recipe {path} is not valid {'YAML' if path.suffix in ('.yaml', '.yml') else 'JSON'}: "
-                          f"{str(exc).splitlines()[0]}") from None
-    if not isinstance(data, dict):
-        raise LlmoptError(f"recipe {path}: expected an object of settings, got {type(data).__name__}")
-    if "eval" in data:
-        data = data["eval"]
-        if not isinstance(data, dict):
-            raise LlmoptError(f"recipe {path}: 'eval' must be an object of settings")
-    unknown = sorted(set(data) - SETTING_NAMES - RECIPE_ONLY)
-    if unknown:
-        raise LlmoptError(f"recipe {path}: unknown setting(s) {', '.join(unknown)}; known: "
-                          f"{', '.join(sorted(SETTING_NAMES | {'limit'}))}")
-    return {k: v for k, v in data.items() if k not in ("description", "name")}
+
+def recipe_eval_settings(section: EvalSection | None) -> dict[str, Any]:
+    """A recipe's `eval` section as settings for `resolve_settings` (keys it left out are absent)."""
+    if section is None:
+        return {}
+    settings = section.given(*EVAL_RUN_KEYS)
+    if settings.get("gates") in (["none"], ["None"]):
+        settings["gates"] = []  # `gates: none`, as --gate none
+    return settings
+
+
+DEFAULTS: dict[str, Any] = _defaults()
+
+
+def recipe_settings(path: Path) -> dict[str, Any]:
+    """`llmopt eval --recipe FILE`: the eval settings of a recipe file (model, baseline and engine come from flags)."""
+    return recipe_eval_settings(load_recipe(path).eval)
 
 
 def parse_tasks(value: str | list[str]) -> list[str]:

@@ -1,24 +1,27 @@
-"""The eval report: one JSON document close to lm-evaluation-harness's, a table, per-sample logs.
+"""The eval report: one JSON document in lm-evaluation-harness's schema, a table, per-task sample logs.
 
-JSON (`build_document`), lm-eval's top-level sections with our metric names:
-- `results`: the candidate's figures per task (`ppl`, `kld`, `mmlu` and `mmlu_<subject>`,
-  `humaneval`), each metric with `<metric>_stderr` where one is defined; `kld` holds
-  llama.cpp's whole KLD summary (`kld.KLDResult.to_dict`); `baseline_results` the same
-  for the baseline.
-- `groups`: MMLU's aggregate and its four category groups (candidate; `baseline_groups`).
-- `configs` (what each task ran on), `n-samples` (`original` items available,
-  `effective` items scored), `versions`.
-- `metrics`: the table's rows (baseline, candidate, change, 95% CI, gate, verdict);
-  `gates`: every gate's full judgement (verdict pass / fail / inconclusive);
-  `bootstrap` (samples, seed, minimum sample size), `strict`, `passed` and `exit_code`.
-- `timing` (seconds per model and task), `cache` (baseline cache hits), `model`, `baseline`.
+JSON (`build_document`), lm-eval's top-level sections for the candidate:
+- `results`: per task (`ppl`, `kld`, `mmlu` and `mmlu_<subject>`, `humaneval`) {"alias",
+  "<metric>,none", "<metric>_stderr,none"} ("N/A" where a stderr is undefined); `kld` holds
+  llama.cpp's whole KLD summary, Δp's statistics as `delta_p_<stat>`.
+- `groups`: MMLU's aggregate and its four category groups, the same way.
+- `configs` (what each task ran on), `versions`, `n-shot`, `higher_is_better`, `n-samples`
+  (`original` items available, `effective` items scored; per MMLU subject too), `config`.
+Under `llmopt`, what lm-eval has no place for: `model`/`baseline` (an endpoint: its URL, served
+name and tokenizer), `results`/`baseline_results` in llmopt's own nested form (KLD's summary
+as `kld.KLDResult.to_dict`), `baseline_lm_eval_results`; `metrics`, the table's rows (baseline,
+candidate, change, 95% CI, gate, verdict); `gates`, every gate's full judgement (pass / fail /
+inconclusive); `bootstrap`, `strict`, `passed`, `exit_code`; `timing`, `cache`;
+`samples_files`.
 
-Per-sample logs (`--log-samples`): one JSON line per scored item and task, both models side
-by side, in `<output>.samples.jsonl` beside `--output`.
+Per-sample logs (`--log-samples`, `write_samples`): lm-eval's per-task JSONL files beside
+`--output` (`<stem>.samples_<task>.jsonl`, MMLU per subject), the baseline's response for the
+same item under `llmopt_baseline`.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import asdict
 from pathlib import Path
@@ -30,7 +33,6 @@ from llmopt import __version__
 from llmopt.core.atomic import atomic_file
 from llmopt.eval import cache, stats
 from llmopt.eval.gates import ABSOLUTE, FAIL, INCONCLUSIVE, PASS, RELATIVE, display_kind, metric_info
-from llmopt.eval.mmlu import LETTERS
 from llmopt.eval.run import EvalReport, metric_samples, shown_metrics
 from llmopt.eval.tasks import ModelRun
 from llmopt.eval.windows import plan_chunks
@@ -40,6 +42,8 @@ VERSIONS = {"ppl": 1, "kld": 1, "mmlu": 1, "humaneval": 1}
 
 
 def _model_info(run: ModelRun) -> dict[str, Any]:
+    if run.endpoint is not None:  # a served model: what answered, and whose tokenizer its prompts were made with
+        return {"spec": run.spec, "kind": "endpoint", **run.endpoint, "tokenizer": run.source.spec}
     q = run.source.quantization
     return {"spec": run.spec, "kind": run.source.kind, "path": str(run.source.path),
             "quantization": None if q is None else asdict(q)}
@@ -73,6 +77,44 @@ def task_results(run: ModelRun) -> tuple[dict[str, Any], dict[str, Any]]:
         entry.update(num_problems=len(h.problems), num_samples=len(h.samples), status_counts=h.status_counts())
         results["humaneval"] = entry
     return results, groups
+
+
+HIGHER_IS_BETTER = {"ppl": {"ppl": False, "nll": False}, "mmlu": {"acc": True}}
+
+
+def lm_eval_results(run: ModelRun) -> tuple[dict[str, Any], dict[str, Any], dict[str, dict[str, bool]]]:
+    """(results, groups, higher_is_better) in lm-eval's schema: per task {"alias", "<metric>,none",
+    "<metric>_stderr,none"} ("N/A" where a stderr is undefined); KLD's whole llama.cpp summary flattened
+    (delta_p's as delta_p_<stat>)."""
+    def entry(alias: str, metrics: dict[str, Any]) -> dict[str, Any]:
+        out: dict[str, Any] = {"alias": alias}
+        for name, value in metrics.items():
+            out[f"{name},none"] = "N/A" if value is None and name.endswith("_stderr") else value
+        return out
+
+    detailed, _ = task_results(run)
+    results: dict[str, Any] = {}
+    groups: dict[str, Any] = {}
+    better: dict[str, dict[str, bool]] = {}
+    if "ppl" in detailed:
+        p = detailed["ppl"]
+        results["ppl"] = entry("ppl", {k: p[k] for k in ("ppl", "ppl_stderr", "nll", "nll_stderr")})
+        better["ppl"] = dict(HIGHER_IS_BETTER["ppl"])
+    if "kld" in detailed:
+        k = dict(detailed["kld"])
+        flat = {name: value for name, value in k.items() if name not in ("delta_p", "num_tokens")}
+        flat.update({f"delta_p_{name}": value for name, value in k["delta_p"].items()})
+        results["kld"] = entry("kld", flat)
+        better["kld"] = {name: name.startswith("same_top_p") for name in flat if not name.endswith("_stderr")}
+    if run.mmlu is not None:
+        results.update(run.mmlu.lm_eval_results())
+        groups = {name: results[name] for name in ("mmlu", *(f"mmlu_{g}" for g in run.mmlu.groups))}
+        better.update({name: dict(HIGHER_IS_BETTER["mmlu"]) for name in results if name.startswith("mmlu")})
+    if "humaneval" in detailed:
+        h = detailed["humaneval"]
+        results["humaneval"] = entry("humaneval", {k: v for k, v in h.items() if k.startswith("pass@")})
+        better["humaneval"] = {k: True for k in h if k.startswith("pass@") and not k.endswith("_stderr")}
+    return results, groups, better
 
 
 def metric_rows(report: EvalReport) -> list[dict[str, Any]]:
@@ -114,13 +156,18 @@ def _worst(gates) -> str | None:
 
 
 def build_document(report: EvalReport) -> dict[str, Any]:
+    """lm-eval's schema at the top level (results, groups, configs, versions, n-shot, higher_is_better,
+    n-samples, config) for the candidate; llmopt's own fields (both models' detailed figures, the table's
+    rows, gates and verdicts, bootstrap, exit code, timing, cache) under "llmopt"."""
     s, data = report.request.settings, report.data
     cand, base = report.candidate, report.baseline
-    results, groups = task_results(cand)
-    doc: dict[str, Any] = {"model": _model_info(cand), "baseline": _model_info(base) if base else None,
-                           "results": results, "groups": groups}
+    results, groups, better = lm_eval_results(cand)
+    own: dict[str, Any] = {"model": _model_info(cand), "baseline": _model_info(base) if base else None}
+    own["results"], own["groups"] = task_results(cand)
     if base is not None:
-        doc["baseline_results"], doc["baseline_groups"] = task_results(base)
+        own["baseline_results"], own["baseline_groups"] = task_results(base)
+        own["baseline_lm_eval_results"] = lm_eval_results(base)[0]
+    doc: dict[str, Any] = {"results": results, "groups": groups}
     configs: dict[str, Any] = {}
     n_samples: dict[str, Any] = {}
     if data.text is not None:
@@ -134,6 +181,11 @@ def build_document(report: EvalReport) -> dict[str, Any]:
                 configs[task] = dict(text_cfg)
                 n_samples[task] = {"original": (data.text.num_tokens or len(data.ids)) - 1,
                                    "effective": cand.text.num_tokens}
+        if "kld" in configs and cand.endpoint is not None:
+            configs["kld"]["candidate_logprobs"] = (
+                f"top {cand.endpoint['top_logprobs']} log-probs per position from the endpoint + the observed token's; "
+                "KLD over those tokens with each side's remaining probability in one tail bucket: a lower bound of "
+                "the full-vocabulary KLD (Δp exact; same top p exact where the top token's text names one id)")
         if "kld" in configs:
             configs["kld"]["baseline_store"] = ("final hidden states per scored token + the dense vocabulary "
                                                 "projection, float16; the baseline's full-vocabulary rows rebuilt "
@@ -151,10 +203,20 @@ def build_document(report: EvalReport) -> dict[str, Any]:
                                 "top_p": s.top_p if s.humaneval_samples > 1 else 1.0, "seed": s.seed,
                                 "max_tokens": s.humaneval_max_tokens, "pass_k": s.pass_k, "timeout_s": s.timeout}
         n_samples["humaneval"] = {"original": data.problems_total, "effective": len(data.problems)}
+    if cand.mmlu is not None:
+        for name, score in cand.mmlu.subjects.items():
+            n_samples[f"mmlu_{name}"] = {"original": score.n, "effective": score.n}
     doc.update({
         "configs": configs,
-        "n-samples": n_samples,
         "versions": {**{t: VERSIONS[t] for t in s.tasks}, "llmopt": __version__},
+        "n-shot": {name: s.num_fewshot if name.startswith("mmlu") else 0 for name in results},
+        "higher_is_better": better,
+        "n-samples": n_samples,
+        "config": {"model": "llmopt", "model_args": own["model"]["spec"], "baseline": own["baseline"] and
+                   own["baseline"]["spec"], "limit": s.mmlu_limit if data.mmlu is not None else None,
+                   "bootstrap_iters": s.bootstrap_samples, "random_seed": s.seed},
+    })
+    own.update({
         "metrics": metric_rows(report),
         "gates": [asdict(g) for g in report.gates],
         "skipped_gates": report.skipped_gates,
@@ -169,6 +231,7 @@ def build_document(report: EvalReport) -> dict[str, Any]:
                    **({"baseline": base.seconds} if base else {})},
         "cache": {"dir": str(cache.cache_dir()), "baseline": base.cache if base else {}},
     })
+    doc["llmopt"] = own
     return doc
 
 
@@ -190,6 +253,7 @@ def _fmt_delta(metric: str, kind: str, x: float | None) -> str:
 
 
 def render_table(doc: dict[str, Any]) -> Table:
+    doc = doc["llmopt"]
     title = f"llmopt eval: {doc['model']['spec']}" + (f" vs baseline {doc['baseline']['spec']}" if doc["baseline"] else "")
     table = Table(title=title)
     for col in ("metric", "baseline", "candidate", "Δ", "95% CI", "gate", "verdict"):
@@ -214,6 +278,7 @@ def render_table(doc: dict[str, Any]) -> Table:
 
 
 def summary_lines(doc: dict[str, Any]) -> list[str]:
+    doc = doc["llmopt"]
     lines = [f"gate {g['bound']}: {g['note']}" for g in doc["gates"]]
     for text in doc["skipped_gates"]:
         lines.append(f"gate {text}: skipped (task not run)")
@@ -247,7 +312,7 @@ KLD_ROWS = (("max", "Maximum"), ("p99.9", "99.9%"), ("p99", "99.0%"), ("p95", "9
 
 def kld_summary_lines(doc: dict[str, Any]) -> list[str]:
     """llama.cpp's `--kl-divergence` summary, same rows, labels and units, from the JSON's results.kld."""
-    k = doc["results"].get("kld")
+    k = doc["llmopt"]["results"].get("kld")
     if k is None:
         return []
     lines = ["====== Perplexity statistics ======",
@@ -279,51 +344,84 @@ def write_json(doc: dict[str, Any], path: Path) -> None:
         tmp.write_text(json.dumps(doc, indent=2, default=str) + "\n", encoding="utf-8")
 
 
-def samples_path(output: Path) -> Path:
+def samples_path(output: Path, task: str) -> Path:
+    """`<output stem>.samples_<task>.jsonl` beside the report (lm-eval names its files samples_<task>_<date>.jsonl)."""
     output = Path(output)
     stem = output.name[: -len(".json")] if output.name.endswith(".json") else output.name
-    return output.with_name(stem + ".samples.jsonl")
+    return output.with_name(f"{stem}.samples_{task}.jsonl")
 
 
-def write_samples(report: EvalReport, path: Path) -> int:
-    """One line per item and task; returns the number of lines."""
-    lines = []
-    cand, base, data = report.candidate, report.baseline, report.data
+def _hash(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def _lm_eval_sample(doc_id: int, doc: dict[str, Any], target: str, arguments: list[tuple], resps: list[list],
+                    metrics: dict[str, Any]) -> dict[str, Any]:
+    """One line as lm-eval's EvaluationTracker saves it: arguments as gen_args_i/arg_j, responses as strings."""
+    def strings(x):
+        return [strings(v) for v in x] if isinstance(x, (list, tuple)) else str(x)
+
+    return {"doc_id": doc_id, "doc": doc, "target": target,
+            "arguments": {f"gen_args_{i}": {f"arg_{j}": a for j, a in enumerate(args)}
+                          for i, args in enumerate(arguments)},
+            "resps": strings([[r] for r in resps]), "filtered_resps": strings(resps), "filter": "none",
+            "metrics": list(metrics), "doc_hash": _hash(json.dumps(doc, indent=2, ensure_ascii=False)),
+            "prompt_hash": _hash(str(arguments[0][0])) if arguments else _hash(""), "target_hash": _hash(target),
+            **metrics}
+
+
+def write_samples(report: EvalReport, output: Path) -> dict[str, str]:
+    """Per task, one JSONL file of the candidate's samples in lm-eval's format (MMLU per subject, as lm-eval's
+    mmlu_<subject> tasks; ppl/kld one line per scored token, which lm-eval has no task for); the baseline's
+    response for the same item, where there is one, under "llmopt_baseline". Returns {task: path}."""
+    by_task: dict[str, list[dict[str, Any]]] = {}
+    cand, base, data, s = report.candidate, report.baseline, report.data, report.request.settings
     if cand.text is not None:
+        name = "kld" if cand.text.kld is not None else "ppl"
         ids = data.ids.tolist()
-        chunks = plan_chunks(len(ids), report.request.settings.ctx_size)
-        positions = [c * chunks.ctx_size + j for c in range(chunks.count)
-                     for j in range(chunks.first + 1, chunks.ctx_size)]
+        chunks = plan_chunks(len(ids), s.ctx_size)
+        positions = [c * chunks.ctx_size + j for c in range(chunks.count) for j in range(chunks.first + 1, chunks.ctx_size)]
         k = cand.text.kld
         for i, position in enumerate(positions):
-            rec = {"task": "ppl+kld" if k else "ppl", "position": position, "token_id": ids[position],
-                   "nll": float(cand.text.nll[i])}
-            if base is not None:
-                rec["nll_baseline"] = float(base.text.nll[i])
+            metrics: dict[str, Any] = {"nll": float(cand.text.nll[i])}
             if k is not None:
-                rec.update(kld=float(k.per_position[i]), same_top=int(k.same_top[i]), delta_p=float(k.delta_p_values[i]))
-            lines.append(rec)
-    if cand.mmlu is not None:
-        for i, q in enumerate(data.mmlu):
-            rec = {"task": "mmlu", "doc_id": i, "subject": q.subject, "question": q.question, "target": LETTERS[q.answer],
-                   "candidate": _mmlu_sample(cand, i)}
+                metrics.update(kld=float(k.per_position[i]), same_top=int(k.same_top[i]), delta_p=float(k.delta_p_values[i]))
+            line = {"doc_id": i, "doc": {"position": position, "token_id": ids[position]}, "target": str(ids[position]),
+                    "filter": "none", "metrics": list(metrics), **metrics}
             if base is not None:
-                rec["baseline"] = _mmlu_sample(base, i)
-            lines.append(rec)
+                line["llmopt_baseline"] = {"nll": float(base.text.nll[i])}
+            by_task.setdefault(name, []).append(line)
+    if cand.mmlu is not None:
+        from llmopt.eval.mmlu import build_requests
+
+        requests = build_requests(data.mmlu, s.num_fewshot, data.mmlu_dev)
+        seen: dict[str, int] = {}
+        for i, (q, request) in enumerate(zip(data.mmlu, requests)):
+            doc_id = seen[q.subject] = seen.get(q.subject, -1) + 1
+            doc = {"question": q.question, "subject": q.subject, "choices": list(q.choices), "answer": q.answer}
+            arguments = [(request.context, c) for c in request.continuations]
+            resps = [[ll, None] for ll in cand.mmlu_loglikelihoods[i]]  # is_greedy: not computed by llmopt
+            line = _lm_eval_sample(doc_id, doc, str(q.answer), arguments, resps, {"acc": float(cand.mmlu.correct[i])})
+            if base is not None:
+                line["llmopt_baseline"] = {"loglikelihoods": base.mmlu_loglikelihoods[i], "acc": base.mmlu.correct[i]}
+            by_task.setdefault(f"mmlu_{q.subject}", []).append(line)
     if cand.humaneval is not None:
         for i, p in enumerate(data.problems):
-            rec = {"task": "humaneval", "doc_id": i, "task_id": p.task_id, "candidate": _he_sample(cand, i)}
+            result = cand.humaneval.problems[i]
+            texts = cand.completions[p.task_id]
+            line = _lm_eval_sample(i, {"task_id": p.task_id, "prompt": p.prompt}, p.task_id, [(p.prompt,)], texts,
+                                   {"pass@1": result.pass_at(1)})
+            line["llmopt_status"] = [{"status": sm.status, "detail": sm.detail} for sm in result.samples]
             if base is not None:
-                rec["baseline"] = _he_sample(base, i)
-            lines.append(rec)
-    with atomic_file(path) as tmp:
-        tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in lines), encoding="utf-8")
-    return len(lines)
-
-
-def _mmlu_sample(run: ModelRun, i: int) -> dict[str, Any]:
-    return {"loglikelihoods": run.mmlu_loglikelihoods[i], "predicted": LETTERS[run.mmlu.predicted[i]],
-            "correct": run.mmlu.correct[i]}
+                line["llmopt_baseline"] = _he_sample(base, i)
+            by_task.setdefault("humaneval", []).append(line)
+    paths = {}
+    for task, lines in by_task.items():
+        path = samples_path(output, task)
+        with atomic_file(path) as tmp:
+            tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in lines), encoding="utf-8")
+        paths[task] = str(path)
+    return paths
 
 
 def _he_sample(run: ModelRun, i: int) -> dict[str, Any]:

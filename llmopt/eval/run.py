@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -34,18 +35,22 @@ from llmopt.eval.gates import (
     parse_gates,
 )
 from llmopt.eval.recipe import DEFAULTS, EvalSettings
-from llmopt.eval.tasks import BASELINE, CANDIDATE, EvalData, ModelRun, RunOptions, limit_count, run_model
+from llmopt.eval.tasks import BASELINE, CANDIDATE, EvalData, ModelRun, RunOptions, limit_count, run_endpoint, run_model
 from llmopt.eval.text import bos_id, load_text, tokenize
+
+if TYPE_CHECKING:
+    from llmopt.eval.endpoint import EndpointConfig
 
 log = logging.getLogger("llmopt.eval")
 
 
 @dataclass
 class EvalRequest:
-    model: str
+    model: str | None  # with `endpoint`: the local model the endpoint serves, for its tokenizer (None: the baseline's)
     baseline: str | None
     settings: EvalSettings
     options: RunOptions = field(default_factory=RunOptions)
+    endpoint: EndpointConfig | None = None  # the candidate is this served model (`--base-url`), not a local one
 
 
 @dataclass
@@ -183,7 +188,21 @@ def run_eval(request: EvalRequest) -> EvalReport:
     gates, skipped = resolve_gates(s, request.baseline is not None)
     for text in skipped:
         log.debug("gate %s skipped: its task is not in --tasks", text)
-    cand_source = resolve(request.model)
+    if request.baseline is not None and request.baseline.startswith(("http://", "https://")):
+        # gating a served model against the local checkpoint it came from keeps the baseline's full distributions
+        # (exact KLD rows, its cache); two endpoints would leave KLD with top-k on both sides
+        raise LlmoptError("--baseline is a local model (its results are cached); a served candidate goes in "
+                          "--base-url")
+    if request.endpoint is not None:
+        if request.model is None and request.baseline is None:
+            raise LlmoptError("--base-url needs the tokenizer of the model it serves: give that model as MODEL, "
+                              "or a --baseline that shares its tokenizer")
+        if "humaneval" in s.tasks:
+            raise LlmoptError("--base-url scores ppl, kld and mmlu; humaneval runs on a local model only: "
+                              "leave it out of --tasks")
+    elif request.model is None:
+        raise LlmoptError("give MODEL (a spec, folder or .gguf), or --base-url URL to evaluate a served model")
+    cand_source = resolve(request.model if request.model is not None else request.baseline)
     base_source = resolve(request.baseline) if request.baseline is not None else None
     cand_tok = load_tokenizer(cand_source)
     data = load_data(s, cand_tok)
@@ -197,10 +216,24 @@ def run_eval(request: EvalRequest) -> EvalReport:
                 raise LlmoptError(f"--ctx-size {s.ctx_size} exceeds {source.spec}'s context of "
                                   f"{source.config.max_position_embeddings} tokens")
 
+    endpoint = None
+    if request.endpoint is not None:
+        from llmopt.eval.endpoint import Endpoint
+
+        if data.ids is not None and s.ctx_size + 1 > cand_source.config.max_position_embeddings:
+            raise LlmoptError(f"--ctx-size {s.ctx_size}: through --base-url a chunk and the one token the endpoint "
+                              f"generates must fit {cand_source.spec}'s context of "
+                              f"{cand_source.config.max_position_embeddings} tokens")
+        endpoint = Endpoint(request.endpoint, cand_tok)
+        endpoint.check(request.endpoint.top_logprobs if "kld" in s.tasks else 0)  # before any baseline work
+
     base = None
     if base_source is not None:
         base = run_model(BASELINE, base_source, s.tasks, data, s, options)
-    cand = run_model(CANDIDATE, cand_source, s.tasks, data, s, options, base=base)
+    if endpoint is not None:
+        cand = run_endpoint(CANDIDATE, endpoint, cand_source, s.tasks, data, s, options.add_bos, base=base)
+    else:
+        cand = run_model(CANDIDATE, cand_source, s.tasks, data, s, options, base=base)
 
     samples = {m: metric_samples(m, cand, base) for m in {g.metric for g in gates} | set(shown_metrics(s.tasks, s.pass_k))}
     bootstrap = Bootstrap(n_boot=s.bootstrap_samples, seed=s.seed)  # one bootstrap per metric and kind, shared

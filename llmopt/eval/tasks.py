@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from llmopt.core.loader import load_tokenizer
 from llmopt.core.source import ModelSource
 from llmopt.errors import LlmoptError
 from llmopt.eval import cache
@@ -29,7 +30,7 @@ from llmopt.eval.kld import BaselineStore
 from llmopt.eval.loglikelihood import loglikelihoods
 from llmopt.eval.mmlu import MMLUQuestion, MMLUResult, evaluate_mmlu
 from llmopt.eval.recipe import EvalSettings
-from llmopt.eval.text import EvalText
+from llmopt.eval.text import EvalText, context_bos_id
 from llmopt.eval.textscore import TextScores, score_text
 
 log = logging.getLogger("llmopt.eval")
@@ -63,6 +64,7 @@ class ModelRun:
     mmlu_loglikelihoods: list[list[float]] | None = None
     humaneval: HumanEvalResult | None = None
     completions: dict[str, list[str]] | None = None
+    endpoint: dict[str, Any] | None = None  # url, served model, top_logprobs: when an endpoint was scored
     seconds: dict[str, float] = field(default_factory=dict)
     cache: dict[str, str] = field(default_factory=dict)  # task -> hit | miss (stored) | off
 
@@ -73,6 +75,7 @@ class RunOptions:
     device: str = "cpu"
     engine: dict[str, Any] = field(default_factory=dict)  # EngineConfig fields for HumanEval generation
     use_cache: bool = True
+    add_bos: bool | None = None  # BOS before every MMLU context; None: where the tokenizer adds one (`text.context_bos_id`)
 
 
 class _LazyModel:
@@ -109,11 +112,47 @@ def run_model(role: str, source: ModelSource, tasks: list[str], data: EvalData, 
             _timed(run, "ppl+kld" if "kld" in tasks else "ppl",
                    lambda: _text_task(run, model, identity, tasks, data, settings, base, cached))
         if "mmlu" in tasks:
-            _timed(run, "mmlu", lambda: _mmlu_task(run, model, identity, data, settings, cached))
+            _timed(run, "mmlu", lambda: _mmlu_task(run, model, identity, data, settings, options.add_bos, cached))
         if "humaneval" in tasks:
             _timed(run, "humaneval", lambda: _humaneval_task(run, model, identity, data, settings, options, cached))
     finally:
         model.free()
+    return run
+
+
+def run_endpoint(role: str, endpoint, source: ModelSource, tasks: list[str], data: EvalData,
+                 settings: EvalSettings, add_bos: bool | None = None, base: ModelRun | None = None) -> ModelRun:
+    """`run_model` for a served model (`eval.endpoint.Endpoint`, already probed): ppl, KLD against a local
+    baseline's store, MMLU. `source` is the local model whose tokenizer and context the endpoint shares."""
+    from llmopt.eval.endpoint import endpoint_loglikelihoods, score_text_endpoint
+
+    run = ModelRun(role=role, spec=endpoint.url, source=source, endpoint=endpoint.describe())
+    if "humaneval" in tasks:
+        raise LlmoptError("humaneval through --base-url is not supported yet: run it on a local model")
+
+    def text() -> None:
+        base_text = base.text if "kld" in tasks and base is not None else None
+        if "kld" in tasks and (base_text is None or base_text.store is None):
+            raise RuntimeError("KLD needs the baseline's stored hidden states")
+        start = time.perf_counter()
+        run.text = score_text_endpoint(endpoint, data.ids, settings.ctx_size, bos_id=data.bos_id, base=base_text)
+        log.info("%s text: %d tokens scored through %s in %.1f s", role, run.text.num_tokens, endpoint.url,
+                 time.perf_counter() - start)
+
+    def mmlu() -> None:
+        bos = context_bos_id(endpoint.tokenizer, add_bos)
+
+        def loglikelihood_fn(pairs: list[tuple[str, str]]) -> list[float]:
+            values = endpoint_loglikelihoods(endpoint, pairs, source.config.max_position_embeddings, bos)
+            run.mmlu_loglikelihoods = _rows_of_four(values)
+            return values
+
+        run.mmlu = evaluate_mmlu(data.mmlu, loglikelihood_fn, num_fewshot=settings.num_fewshot, dev=data.mmlu_dev)
+
+    if "ppl" in tasks or "kld" in tasks:
+        _timed(run, "ppl+kld" if "kld" in tasks else "ppl", text)
+    if "mmlu" in tasks:
+        _timed(run, "mmlu", mmlu)
     return run
 
 
@@ -186,9 +225,11 @@ def _score(run: ModelRun, model, data: EvalData, s: EvalSettings, **kw) -> TextS
 # ---------------------------------------------------------------------------- mmlu
 
 
-def _mmlu_task(run, model, identity, data: EvalData, s: EvalSettings, cached: bool) -> None:
+def _mmlu_task(run, model, identity, data: EvalData, s: EvalSettings, add_bos: bool | None, cached: bool) -> None:
+    bos = context_bos_id(load_tokenizer(run.source), add_bos)
+
     def loglikelihood_fn(pairs: list[tuple[str, str]]) -> list[float]:
-        key = cache.make_key("mmlu", identity, _sha(pairs))
+        key = cache.make_key("mmlu", identity, _sha(pairs), *([bos] if bos is not None else []))
         hit = cache.read_json(key) if cached else None
         if hit is not None and len(hit.get("loglikelihoods", [])) == len(pairs):
             _note_cache(run, "mmlu", "hit", cache.cache_dir() / f"{key}.json")
@@ -196,7 +237,7 @@ def _mmlu_task(run, model, identity, data: EvalData, s: EvalSettings, cached: bo
             return hit["loglikelihoods"]
         _note_cache(run, "mmlu", "miss" if cached else "off")
         start = time.perf_counter()
-        values = loglikelihoods(model(), pairs)
+        values = loglikelihoods(model(), pairs, bos_id=bos)
         log.info("%s mmlu: %d questions scored in %.1f s", run.role, len(pairs) // 4, time.perf_counter() - start)
         if cached:
             cache.write_json(key, {"spec": run.spec, "loglikelihoods": values})

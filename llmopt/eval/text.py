@@ -62,6 +62,19 @@ def bos_id(tokenizer) -> int | None:
     return bos if tokenizer.encode("a", add_special_tokens=True)[:1] == [bos] else None
 
 
+def context_bos_id(tokenizer, add_bos: bool | None) -> int | None:
+    """The BOS id to put before every log-likelihood context, as lm-eval's `add_bos_token`: where the
+    tokenizer adds one by default (None), or as `--add-bos/--no-add-bos` says."""
+    if add_bos is None:
+        return bos_id(tokenizer)
+    if not add_bos:
+        return None
+    bos = tokenizer.token_to_id(tokenizer.bos_token)
+    if bos is None:
+        raise LlmoptError("--add-bos: the tokenizer has no BOS token")
+    return bos
+
+
 def tokenize(tokenizer, text: EvalText, ctx_size: int, chunks: int | None) -> torch.Tensor:
     """Token ids of whole `ctx_size` chunks of the text, at most `chunks` of them (`text.num_tokens` records all)."""
     from llmopt.eval.windows import plan_chunks

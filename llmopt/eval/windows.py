@@ -60,6 +60,15 @@ def plan_chunks(num_tokens: int, ctx_size: int, max_chunks: int | None = None) -
     return Chunks(ctx_size, count)
 
 
+def chunk_prompt(ids: torch.Tensor, chunks: Chunks, index: int, bos_id: int | None = None) -> list[int]:
+    """Chunk `index` as the token ids a model is given (BOS in place of the first where the tokenizer adds one);
+    its scored targets are `ids` at chunk positions `chunks.first + 1` onwards."""
+    tokens = ids[index * chunks.ctx_size:(index + 1) * chunks.ctx_size].tolist()
+    if bos_id is not None:
+        tokens[0] = bos_id
+    return tokens
+
+
 @torch.inference_mode()
 def chunk_hidden(model, ids: torch.Tensor, chunks: Chunks, bos_id: int | None = None, batch_size: int = 4
                  ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:

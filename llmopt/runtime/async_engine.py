@@ -23,6 +23,7 @@ import logging
 import os
 import threading
 from collections.abc import AsyncIterator, Iterator
+from dataclasses import replace
 from typing import Any
 
 from llmopt.core.loader import LoadedModel
@@ -58,10 +59,12 @@ class AsyncLLM:
 
     @classmethod
     def from_spec(cls, model: str | LoadedModel = "default", dtype: str = "auto", device: str = "cpu",
-                  **engine_config: Any) -> "AsyncLLM":
+                  engine_config: EngineConfig | None = None, **overrides: Any) -> "AsyncLLM":
+        """`engine_config` (default: EngineConfig()) with `overrides` of its fields, e.g. num_kv_blocks=64."""
+        config = replace(engine_config or EngineConfig(), **overrides)
         if isinstance(model, LoadedModel):
-            return cls(LLMEngine(model, EngineConfig(**engine_config)))
-        return cls(LLMEngine.from_spec(model, dtype=dtype, device=device, **engine_config))
+            return cls(LLMEngine(model, config))
+        return cls(LLMEngine.from_spec(model, dtype=dtype, device=device, engine_config=config))
 
     @property
     def tokenizer(self):

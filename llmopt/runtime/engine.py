@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from collections.abc import Iterator
 from typing import Any, Union
 
@@ -189,10 +189,12 @@ class LLMEngine(EngineFrontend):
         return draft
 
     @classmethod
-    def from_spec(cls, model: str = "default", dtype: str = "auto", device: str = "cpu", **config: Any) -> "LLMEngine":
+    def from_spec(cls, model: str = "default", dtype: str = "auto", device: str = "cpu",
+                  engine_config: EngineConfig | None = None, **overrides: Any) -> "LLMEngine":
+        """`engine_config` (default: EngineConfig()) with `overrides` of its fields, e.g. num_kv_blocks=64."""
         from llmopt.core import load
 
-        return cls(load(model, dtype=dtype, device=device), EngineConfig(**config))
+        return cls(load(model, dtype=dtype, device=device), replace(engine_config or EngineConfig(), **overrides))
 
     def _num_blocks_for_memory(self, block_bytes: int) -> int:
         cfg, device = self.config, self.loaded.device

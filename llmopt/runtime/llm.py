@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Any, Sequence as Seq
 
 from llmopt.core.loader import LoadedModel
@@ -14,11 +15,14 @@ from llmopt.runtime.sampling_params import SamplingParams
 
 
 class LLM:
-    def __init__(self, model: str | LoadedModel = "default", dtype: str = "auto", device: str = "cpu", **engine_config: Any):
+    def __init__(self, model: str | LoadedModel = "default", dtype: str = "auto", device: str = "cpu",
+                 engine_config: EngineConfig | None = None, **overrides: Any):
+        """`engine_config` (default: EngineConfig()) with `overrides` of its fields, e.g. max_num_seqs=32."""
+        config = replace(engine_config or EngineConfig(), **overrides)
         if isinstance(model, LoadedModel):
-            self.engine = LLMEngine(model, EngineConfig(**engine_config))
+            self.engine = LLMEngine(model, config)
         else:
-            self.engine = LLMEngine.from_spec(model, dtype=dtype, device=device, **engine_config)
+            self.engine = LLMEngine.from_spec(model, dtype=dtype, device=device, engine_config=config)
 
     @property
     def tokenizer(self):

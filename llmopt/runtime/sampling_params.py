@@ -38,6 +38,9 @@ class SamplingParams:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < least:
             raise LlmoptError(f"max_tokens must be a positive integer (0 only with prompt_logprobs), "
                               f"got {self.max_tokens!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not -(2**63) <= self.seed < 2**64):
+            raise LlmoptError(f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}")  # torch's range
         if self.temperature < 0:
             raise LlmoptError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:

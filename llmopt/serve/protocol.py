@@ -7,7 +7,7 @@ can log each name once; a known OpenAI field llmopt cannot honour (`tools`, `log
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal, Union
+from typing import Any, ClassVar, Literal, Union, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -16,7 +16,8 @@ from llmopt.runtime import SamplingParams
 from llmopt.runtime.structured_outputs import StructuredOutputsParams
 
 MAX_N = 8
-ROLES = {"system", "user", "assistant", "tool", "developer"}
+Role = Literal["system", "user", "assistant", "tool", "developer"]
+ROLES = set(get_args(Role))
 
 
 # Known OpenAI / vLLM request fields llmopt cannot honour, refused when set to anything but
@@ -31,7 +32,12 @@ WHAT_INSTEAD = {name: "use response_format or structured_outputs" for name in UN
                 if name.startswith("guided_")}
 
 
-class _Request(BaseModel):
+_JSON_TYPES = {dict: "JSON object", str: "string", bool: "boolean", list: "list"}
+
+
+class SamplingRequest(BaseModel):
+    """What chat and completions requests share: the model, sampling and output-format fields."""
+
     # OpenAI clients send fields we do not use (user, metadata, ...): accept them (`ignored_fields`
     # names them for a warning); the known ones we cannot honour are refused (`check_supported`)
     model_config = ConfigDict(extra="allow")
@@ -43,7 +49,7 @@ class _Request(BaseModel):
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=-1)
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)  # torch's range, as vLLM
     stop: Union[str, list[str], None] = None
     n: int = Field(default=1, ge=1, le=MAX_N)
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
@@ -93,6 +99,11 @@ class _Request(BaseModel):
             if unknown:
                 raise RequestError(f"structured_outputs.{unknown[0]} is not supported; use one of "
                                    f"{', '.join(sorted(fields))}", param="structured_outputs")
+            kinds = {"json": (dict, str), "json_object": (bool,), "regex": (str,), "choice": (list,), "grammar": (str,)}
+            for name, value in self.structured_outputs.items():
+                if value is not None and not isinstance(value, kinds[name]):
+                    raise RequestError(f"structured_outputs.{name} must be a "
+                                       f"{' or '.join(_JSON_TYPES[t] for t in kinds[name])}", param="structured_outputs")
             try:
                 return StructuredOutputsParams(**self.structured_outputs, strict=False)
             except LlmoptError as exc:
@@ -129,17 +140,34 @@ class _Request(BaseModel):
             raise RequestError(str(exc)) from None
 
 
+class TextContentPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["text"]
+    text: str
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    role: str
-    content: Union[str, list[dict[str, Any]], None] = None
+    role: Role
+    content: Union[str, list[TextContentPart], None] = None
 
-    @field_validator("role")
+    @field_validator("role", mode="before")  # before the Literal's own check: our message names the role
     @classmethod
-    def _role(cls, value: str) -> str:
-        if value not in ROLES:
+    def _role(cls, value: Any) -> Any:
+        if not isinstance(value, str) or value not in ROLES:
             raise ValueError(f"unknown role {value!r}; expected one of {', '.join(sorted(ROLES))}")
+        return value
+
+    @field_validator("content", mode="before")  # image, audio, file parts: say so, not "not a string"
+    @classmethod
+    def _content(cls, value: Any) -> Any:
+        if isinstance(value, list):
+            for part in value:
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind != "text":
+                    raise ValueError(f"only text content parts are supported, got type {kind!r}")
         return value
 
     def text(self) -> str:
@@ -147,15 +175,19 @@ class ChatMessage(BaseModel):
             return ""
         if isinstance(self.content, str):
             return self.content
-        parts = []
-        for part in self.content:
-            if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise RequestError("only text content parts are supported", param="messages")
-            parts.append(part["text"])
-        return "".join(parts)
+        return "".join(part.text for part in self.content)
 
 
-class ChatCompletionRequest(_Request):
+class ChatCompletionRequest(SamplingRequest):
+    model_config = ConfigDict(extra="allow", json_schema_extra={"examples": [
+        {"messages": [{"role": "user", "content": "Say this is a test"}], "max_tokens": 8, "temperature": 0},
+        {"messages": [{"role": "system", "content": "Answer in JSON."}, {"role": "user", "content": "A pet?"}],
+         "max_tokens": 16, "n": 2, "seed": 1, "logprobs": True, "top_logprobs": 2, "stream": True,
+         "stream_options": {"include_usage": True}, "response_format": {"type": "json_object"}},
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "Name a colour."}]}], "max_tokens": 16,
+         "response_format": {"type": "json_schema", "json_schema": {"name": "colour", "strict": True, "schema": {
+             "type": "object", "properties": {"colour": {"enum": ["red", "blue"]}}, "required": ["colour"]}}}},
+    ]})
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
@@ -167,7 +199,15 @@ class ChatCompletionRequest(_Request):
         return [{"role": m.role, "content": m.text()} for m in self.messages]
 
 
-class CompletionRequest(_Request):
+class CompletionRequest(SamplingRequest):
+    model_config = ConfigDict(extra="allow", json_schema_extra={"examples": [
+        {"prompt": "Say this is a test", "max_tokens": 8, "temperature": 0},
+        # how evaluation harnesses score choices: token-id prompts, echo, the prompt's logprobs
+        {"prompt": [[1, 2, 3], [1, 2, 4]], "echo": True, "logprobs": 1, "max_tokens": 0},
+        {"prompt": ["Once upon a time", "The capital of France is"], "max_tokens": 8, "n": 2, "stream": True,
+         "stop": ["."], "logprobs": 2, "prompt_logprobs": 1},
+        {"prompt": "The sky is", "max_tokens": 4, "structured_outputs": {"choice": ["blue", "grey"]}},
+    ]})
     prompt: Union[str, list[str], list[int], list[list[int]]]
     # 0 is allowed here: with echo (or prompt_logprobs) it scores the prompt alone
     max_tokens: int | None = Field(default=None, ge=0)
@@ -207,6 +247,30 @@ class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
     model: str | None = None
     tokens: list[int]
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error object: what every refusal answers."""
+
+    error: ErrorInfo
+
+
+# the refusals every generating route can answer, for the OpenAPI document (`responses=`)
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    400: {"model": ErrorResponse, "description": "Invalid request: a malformed body, a field out of range, a "
+          "field llmopt cannot honour, or a prompt longer than the context"},
+    401: {"model": ErrorResponse, "description": "Missing or wrong API key (servers started with --api-key)"},
+    404: {"model": ErrorResponse, "description": "The model named is not the one served"},
+    413: {"model": ErrorResponse, "description": "The request body is over the size limit"},
+    503: {"model": ErrorResponse, "description": "Too many requests waiting; retry after the Retry-After header"},
+}
 
 
 class RequestError(Exception):

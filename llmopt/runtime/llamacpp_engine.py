@@ -1,4 +1,5 @@
-"""`--engine llama.cpp`: GGUF files served through llama-cpp-python behind AsyncLLM's surface.
+"""`--engine llama.cpp`: GGUF files run through llama-cpp-python behind AsyncLLM's surface
+(`ServingEngine`), for `llmopt serve` and `llmopt generate` alike.
 
 llama-cpp-python drives one llama.cpp context, so requests are served one at a time in
 arrival order by a worker thread while the rest wait (llama.cpp reuses the longest common
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from llmopt.core.embedded import default_gguf_path
 from llmopt.core.gguf_file import read_gguf_config, read_gguf_tokenizer
 from llmopt.errors import LlmoptError
 from llmopt.runtime.engine import EngineFrontend, EngineStats, PromptType, check_stop, make_output
@@ -27,15 +29,31 @@ from llmopt.runtime.outputs import RequestOutput
 from llmopt.runtime.sampling_params import SamplingParams
 from llmopt.runtime.sequence import Sequence
 
-logger = logging.getLogger("llmopt.serve")
+logger = logging.getLogger("llmopt.runtime")
 
 
 class LlamaCppEngine(EngineFrontend):
+    @classmethod
+    def from_spec(cls, model: str = "default", max_model_len: int | None = None,
+                  n_threads: int | None = None) -> "LlamaCppEngine":
+        """`model`: 'default' (the embedded GGUF) or a .gguf file; LlmoptError for anything else."""
+        if model == "default":
+            path = default_gguf_path()
+        else:
+            path = Path(model).expanduser()
+            if path.suffix != ".gguf":
+                raise LlmoptError(f"--engine llama.cpp runs .gguf files; {model!r} is not one "
+                                  "(llmopt quantize --method gguf writes them)")
+            if not path.is_file():
+                raise LlmoptError(f"{model} does not exist")
+        return cls(path, max_model_len=max_model_len, n_threads=n_threads)
+
     def __init__(self, gguf_path: Path, max_model_len: int | None = None, n_threads: int | None = None):
         try:
             from llama_cpp import Llama
         except ImportError:
             raise LlmoptError("--engine llama.cpp needs llama-cpp-python: `pip install llama-cpp-python`") from None
+        self.gguf_path = Path(gguf_path)
         config, _ = read_gguf_config(gguf_path)
         self.tokenizer = read_gguf_tokenizer(gguf_path)
         self.tokenizer.extra_eos_token_ids = [config["eos_token_id"]] if "eos_token_id" in config else []
@@ -146,7 +164,8 @@ class LlamaCppEngine(EngineFrontend):
     def _run(self, seq: Sequence) -> None:
         p = seq.params
         seq.first_scheduled_time = time.time()
-        self.llm.set_seed(p.seed if p.seed is not None else random.randrange(2**31))
+        # llama.cpp's sampler seed is 32-bit; SamplingParams allows torch's 64-bit range
+        self.llm.set_seed(p.seed % 2**32 if p.seed is not None else random.randrange(2**31))
         blocked = list(p.stop_token_ids) + ([] if p.ignore_eos else self.tokenizer.eos_token_ids)
 
         def suppress_early_stops(_ids: np.ndarray, scores: np.ndarray) -> np.ndarray:

@@ -1,0 +1,50 @@
+"""`ServingEngine`: the surface the HTTP server (and `llmopt generate --engine llama.cpp`) drives.
+
+`AsyncLLM` (the paged runtime) and `LlamaCppEngine` (llama-cpp-python) both have it; the
+server depends on this protocol, not on either class. A leaf module: the engine types are
+imported for annotations only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from llmopt.runtime.engine import EngineStats, PromptType
+    from llmopt.runtime.outputs import RequestOutput
+    from llmopt.runtime.sampling_params import SamplingParams
+
+
+@runtime_checkable
+class ServingEngine(Protocol):
+    # read-only here: an attribute (LlamaCppEngine) or a property (AsyncLLM) satisfies them
+    @property
+    def tokenizer(self) -> Any:
+        """The model's llmopt.core.tokenizer.Tokenizer (encode, decode, apply_chat_template, vocab_size)."""
+        ...
+
+    @property
+    def max_model_len(self) -> int: ...
+
+    def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """(text or None, token ids) of a prompt; LlmoptError if it is empty or out of the vocabulary."""
+        ...
+
+    def add_request(self, prompt: PromptType, params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        """Validate and queue a request from inside the event loop that will consume it; LlmoptError
+        (before any output) if it can never run. Returns its id for `stream_outputs`."""
+        ...
+
+    def stream_outputs(self, request_id: str) -> AsyncIterator[RequestOutput]:
+        """Outputs of an added request as tokens arrive, the last with `finished`; closing early aborts it."""
+        ...
+
+    def abort(self, request_id: str) -> None: ...
+
+    def stats(self) -> EngineStats: ...
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the engine's thread; the server calls this after its graceful shutdown."""
+        ...

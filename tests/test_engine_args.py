@@ -1,0 +1,61 @@
+"""The engine flags, declared once (llmopt/cli/engine_args.py), mean the same in every command, and
+`LLM`, `AsyncLLM` and `LLMEngine` are built from one `EngineConfig`."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import assert_usage_error
+from llmopt.cli.engine_args import EngineArgs
+from llmopt.core import load
+from llmopt.runtime import LLM, AsyncLLM, EngineConfig, LLMEngine
+
+FLAGS = ["--max-num-seqs", "--max-num-batched-tokens", "--max-model-len", "--block-size", "--enable-prefix-caching",
+         "--kv-cache-memory", "--kv-cache-dtype", "--gpu-memory-utilization", "--dtype", "--device"]
+# bench latency sets max_num_seqs from --batch-size and runs without prefix caching or a length limit
+LATENCY_FLAGS = [f for f in FLAGS if f not in ("--max-num-seqs", "--max-model-len", "--enable-prefix-caching")]
+COMMANDS = [(["generate"], FLAGS), (["serve"], FLAGS), (["eval"], FLAGS), (["bench", "throughput"], FLAGS),
+            (["bench", "latency"], LATENCY_FLAGS)]
+
+
+@pytest.mark.parametrize("command, flags", COMMANDS, ids=[" ".join(c) for c, _ in COMMANDS])
+def test_every_engine_command_has_the_flags(command, flags):
+    import typer
+
+    from llmopt.cli.main import app
+
+    click_command = typer.main.get_command(app)
+    for name in command:
+        click_command = click_command.commands[name]  # type: ignore[attr-defined]
+    options = {opt: param for param in click_command.params for opt in param.opts}
+    assert all(flag in options for flag in flags), [f for f in flags if f not in options]
+    assert all(options[flag].rich_help_panel == "Engine" for flag in flags)  # their own --help panel
+
+
+@pytest.mark.parametrize("command", [["generate", "M", "-p", "hi"], ["serve", "M"], ["eval", "M"],
+                                     ["bench", "throughput", "M"], ["bench", "latency", "M"]])
+def test_a_bad_engine_flag_is_the_same_error_everywhere(tiny_models, command):
+    args = [str(tiny_models["llama"]) if a == "M" else a for a in command]
+    assert_usage_error([*args, "--kv-cache-memory", "lots"], "cannot read 'lots' as a size")
+    assert_usage_error([*args, "--block-size", "0"], "block_size must be a positive integer")
+
+
+def test_engine_args_build_the_engine_config():
+    config = EngineArgs(max_num_seqs=4, kv_cache_memory="64MiB", enable_prefix_caching=False).engine_config()
+    assert config == EngineConfig(max_num_seqs=4, kv_cache_memory=64 << 20, enable_prefix_caching=False)
+    assert EngineArgs().engine_config() == EngineConfig()  # the flags' defaults are the runtime's
+
+
+def test_llm_async_llm_and_engine_take_one_engine_config(tiny_models):
+    loaded = load(str(tiny_models["llama"]), dtype="float32")
+    config = EngineConfig(num_kv_blocks=12, block_size=8, max_model_len=64, max_num_seqs=3)
+    llm = LLM(loaded, engine_config=config)
+    assert llm.engine.config == config and llm.engine.kv.num_blocks == 12 and llm.engine.max_model_len == 64
+    assert LLM(loaded, engine_config=config, max_num_seqs=5).engine.config.max_num_seqs == 5  # keywords override
+    assert LLM(loaded, num_kv_blocks=12).engine.config.num_kv_blocks == 12  # keywords alone, as before
+    assert LLMEngine.from_spec(str(tiny_models["llama"]), dtype="float32", engine_config=config).config == config
+    engine = AsyncLLM.from_spec(loaded, engine_config=config)
+    try:
+        assert engine.engine.config == config
+    finally:
+        engine.shutdown()
