@@ -35,6 +35,32 @@ class EngineArgs:
     gpu_memory_utilization: float = 0.9
     dtype: str = "auto"
     device: str = "cpu"
+    speculative_model: Optional[str] = None
+    speculative_method: Optional[str] = None
+    num_speculative_tokens: Optional[int] = None
+    prompt_lookup_min: Optional[int] = None
+    prompt_lookup_max: Optional[int] = None
+    speculative_disable_by_batch_size: Optional[int] = None
+    speculative_allow_mismatch: bool = False
+
+    def speculative_config(self) -> Optional[dict[str, Any]]:
+        """vLLM's speculative_config from the speculative flags (None: no speculation)."""
+        fields = {"speculative_model": "model", "speculative_method": "method",
+                  "num_speculative_tokens": "num_speculative_tokens", "prompt_lookup_min": "prompt_lookup_min",
+                  "prompt_lookup_max": "prompt_lookup_max",
+                  "speculative_disable_by_batch_size": "disable_by_batch_size"}
+        given = {name: getattr(self, name) for name in fields if getattr(self, name) is not None}
+        if self.speculative_allow_mismatch:
+            given["speculative_allow_mismatch"] = True
+        if not given:
+            return None
+        if self.speculative_model is None and self.speculative_method is None:
+            from llmopt.errors import LlmoptError
+
+            named = ", ".join(_FLAGS[name][0].split("/")[0] for name in given)
+            raise LlmoptError(f"{named}: speculative decoding needs --speculative-model SPEC or "
+                              "--speculative-method ngram")
+        return {fields.get(name, "allow_mismatch"): value for name, value in given.items()}
 
     def engine_config(self) -> "EngineConfig":
         """The runtime's EngineConfig; LlmoptError (exit 2) for a bad value."""
@@ -46,6 +72,7 @@ class EngineArgs:
             enable_prefix_caching=self.enable_prefix_caching,
             kv_cache_memory=parse_bytes(self.kv_cache_memory) if self.kv_cache_memory else None,
             gpu_memory_utilization=self.gpu_memory_utilization, kv_cache_dtype=self.kv_cache_dtype,
+            speculative_config=self.speculative_config(),
         )
 
 
@@ -63,6 +90,18 @@ _FLAGS: dict[str, tuple[str, str]] = {
     "gpu_memory_utilization": ("--gpu-memory-utilization", "GPU: fraction of device memory llmopt may use in all."),
     "dtype": ("--dtype", "auto, float32, bfloat16 or float16"),
     "device": ("--device", "cpu, cuda or cuda:N"),
+    "speculative_model": ("--speculative-model", "Speculative decoding with this draft model (same tokenizer as "
+                          "the target; a smaller or int4 checkpoint), e.g. an AWQ folder."),
+    "speculative_method": ("--speculative-method", "ngram: speculate by prompt lookup (no draft model); "
+                           "draft_model: with --speculative-model."),
+    "num_speculative_tokens": ("--num-speculative-tokens", "Tokens proposed per step, verified in one forward "
+                               "(default 4)."),
+    "prompt_lookup_min": ("--prompt-lookup-min", "ngram: shortest suffix matched in the request's tokens (default 2)."),
+    "prompt_lookup_max": ("--prompt-lookup-max", "ngram: longest suffix matched (default 5)."),
+    "speculative_disable_by_batch_size": ("--speculative-disable-by-batch-size", "No proposals while more "
+                                          "requests than this are running."),
+    "speculative_allow_mismatch": ("--speculative-allow-mismatch/--no-speculative-allow-mismatch", "Start a draft "
+                                   "whose token ids mean other tokens than the target's (refused otherwise)."),
 }
 
 

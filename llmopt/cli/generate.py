@@ -90,6 +90,8 @@ def generate(
     if engine == "llama.cpp":
         from llmopt.runtime.llamacpp_engine import LlamaCppEngine
 
+        if config.speculative_config is not None:
+            raise LlmoptError("speculative decoding runs on --engine llmopt, not llama.cpp")
         llm_engine = LlamaCppEngine.from_spec(model, max_model_len=engine_args.max_model_len)
     else:
         from llmopt.core import load
@@ -149,6 +151,13 @@ def generate(
             f"[dim]{len(outputs)} request(s), {output_tokens} tokens in {elapsed:.2f} s = "
             f"{summary['output_tokens_per_s']} tok/s, mean TTFT {mean_ttft:.0f} ms[/dim]"
         )
+        spec = summary["engine"].get("spec_decode")
+        if spec:
+            err_console.print(
+                f"[dim]speculative decoding: {spec['num_drafts']} proposals, {spec['num_accepted_tokens']} of "
+                f"{spec['num_draft_tokens']} draft tokens accepted ({spec['acceptance_rate']:.1%}), "
+                f"mean acceptance length {spec['mean_acceptance_length']:.2f} tokens per step[/dim]"
+            )
     for i, out in failed:
         typer.echo(f"error: prompt {i}: {out.error}", err=True)
     if failed:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 
@@ -54,6 +55,8 @@ def serve(
     if engine == "llama.cpp":
         from llmopt.runtime.llamacpp_engine import LlamaCppEngine
 
+        if config.speculative_config is not None:
+            raise LlmoptError("speculative decoding runs on --engine llmopt or vllm, not llama.cpp")
         async_engine = llamacpp = LlamaCppEngine.from_spec(model, max_model_len=engine_args.max_model_len)
         description = f"{llamacpp.gguf_path.name}; engine llama.cpp, one request at a time"
     else:
@@ -105,5 +108,9 @@ def vllm_command(model: str, host: str, port: int, api_key: str | None, served_m
         argv += ["--served-model-name", served_model_name]
     if api_key:
         argv += ["--api-key", api_key]
+    speculative = e.speculative_config()
+    if speculative:  # vLLM's own --speculative-config; it has no vocabulary check to override
+        speculative.pop("allow_mismatch", None)
+        argv += ["--speculative-config", json.dumps(speculative)]
     return argv
 

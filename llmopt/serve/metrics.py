@@ -44,6 +44,37 @@ class _EngineCollector:
             c = CounterMetricFamily(f"llmopt:{name}", doc, labels=labels)
             c.add_metric([self.model_name], value)
             yield c
+        spec = getattr(s, "spec_decode", None)
+        if spec:
+            yield from self._spec_decode(spec, labels)
+
+    def _spec_decode(self, spec: dict, labels: list[str]):
+        """vLLM's spec_decode counters, plus gauges for the warnings vLLM does not give."""
+        for name, doc in (
+            ("num_drafts", "Draft proposals verified."),
+            ("num_draft_tokens", "Draft tokens proposed."),
+            ("num_accepted_tokens", "Draft tokens accepted."),
+            ("num_steps_disabled", "Engine steps without proposals (running batch above "
+                                   "--speculative-disable-by-batch-size)."),
+        ):
+            c = CounterMetricFamily(f"llmopt:spec_decode_{name}", doc, labels=labels)
+            c.add_metric([self.model_name], spec[name])
+            yield c
+        per_pos = CounterMetricFamily("llmopt:spec_decode_num_accepted_tokens_per_pos",
+                                      "Draft tokens accepted at each proposal position.", labels=labels + ["position"])
+        for position, count in enumerate(spec["num_accepted_tokens_per_pos"]):
+            per_pos.add_metric([self.model_name, str(position)], count)
+        yield per_pos
+        for name, doc, value in (
+            ("rolling_accepted_tokens_per_draft", "Mean accepted draft tokens per proposal over the latest "
+             "proposals; below the warning threshold (0.5) the proposer slows decoding down.",
+             spec["rolling_accepted_per_draft"]),
+            ("disabled_by_batch_size", "1 while the running batch is too big to speculate.",
+             float(spec["disabled_by_batch_size"])),
+        ):
+            g = GaugeMetricFamily(f"llmopt:spec_decode_{name}", doc, labels=labels)
+            g.add_metric([self.model_name], value)
+            yield g
 
 
 class ServerMetrics:
