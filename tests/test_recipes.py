@@ -268,3 +268,13 @@ def test_wheel_ships_the_recipe_packages_and_default_gates(tmp_path):
     metadata = next(n for n in names if n.endswith("METADATA"))
     requires = zipfile.ZipFile(next(tmp_path.glob("llmopt-*.whl"))).read(metadata).decode()
     assert "Requires-Dist: pyyaml" in requires and "Requires-Dist: pydantic" in requires
+
+
+def test_recipe_engine_keys_are_the_engine_flags():
+    """A recipe's engine keys are exactly the commands' engine flags (one EngineArgs builds both)."""
+    from dataclasses import fields
+
+    from llmopt.recipes.schema import ENGINE_FLAGS
+    from llmopt.runtime.engine_args import EngineArgs
+
+    assert sorted(ENGINE_FLAGS) == sorted(f.name for f in fields(EngineArgs))

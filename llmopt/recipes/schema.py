@@ -70,6 +70,13 @@ class EngineFlags(Section):
     gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
     dtype: str | None = None  # default: model.dtype
     device: str | None = None  # default: model.device
+    speculative_model: str | None = None
+    speculative_method: Literal["ngram", "draft_model"] | None = None
+    num_speculative_tokens: Positive | None = None
+    prompt_lookup_min: Positive | None = None
+    prompt_lookup_max: Positive | None = None
+    speculative_disable_by_batch_size: Positive | None = None
+    speculative_allow_mismatch: bool | None = None
 
 
 ENGINE_FLAGS = tuple(EngineFlags.model_fields)

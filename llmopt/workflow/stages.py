@@ -106,13 +106,11 @@ def _defaults(recipe: Recipe, given: dict[str, Any]) -> dict[str, Any]:
 
 
 def _engine_config(given: dict[str, Any]) -> dict[str, Any]:
-    """EngineConfig fields from the engine flags a section set (the rest: EngineConfig's defaults)."""
-    from llmopt.runtime.config import EngineConfig, parse_bytes
+    """EngineConfig fields from the engine flags a section set (the rest: the flags' defaults)."""
+    from llmopt.runtime.engine_args import EngineArgs
 
     fields = {k: given[k] for k in ENGINE_FLAGS if k in given and k not in ("dtype", "device")}
-    if "kv_cache_memory" in fields:
-        fields["kv_cache_memory"] = parse_bytes(fields["kv_cache_memory"])
-    return asdict(EngineConfig(**fields))
+    return asdict(EngineArgs(**fields).engine_config())
 
 
 def _files(*values: str | None) -> list[str]:
