@@ -1,4 +1,4 @@
-"""int4 linear layers for AWQ / GPTQ checkpoints on CPU.
+"""int4 linear layers for AWQ / GPTQ checkpoints.
 
 - `CpuInt4Linear` (fp32 models, the default on CPU): llmopt's C++ kernel
   (`llmopt.kernels.cpu_int4`), 4-bit weights times activations quantized to int8 per 32
@@ -13,6 +13,10 @@ act-order checkpoints (a permuted g_idx) are handled by permuting the input colu
 once per call, and per-channel (-1) grids by repeating the scale over 64-column groups.
 PyTorch's kernel was measured slow with fp32 activations on the 2-core CPU here, hence
 llmopt's own kernel for fp32 models.
+
+- `TritonInt4Linear` (CUDA; CPU only under TRITON_INTERPRET=1): llmopt's Triton
+  dequant-matmul (`llmopt.kernels.triton_int4`) for fp16 / bf16 / fp32 activations. Ready
+  and tested, not yet chosen by the loader.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ from __future__ import annotations
 import torch
 
 from llmopt.kernels.cpu_int4 import PackedInt4, int4_linear_kernel, repack_int4
+from llmopt.kernels.triton_int4 import PackedInt4 as TritonPackedInt4
+from llmopt.kernels.triton_int4 import int4_matmul, pack_int4, triton_available
 from llmopt.model.linear import LinearBase
 from llmopt.quant.quantizer import QuantizedWeight
 
@@ -107,3 +113,43 @@ def cpu_int4_linear(q: QuantizedWeight, bias: torch.Tensor | None) -> CpuInt4Lin
     kernel = int4_linear_kernel()
     packed = None if kernel is None else repack_int4(q.codes, q.scales, q.zeros, q.g_idx)
     return None if packed is None else CpuInt4Linear(packed, bias, kernel)
+
+
+class TritonInt4Linear(LinearBase):
+    """x [..., K] in fp16 / bf16 / fp32 -> [..., N] in x's dtype, through `int4_matmul`.
+
+    The packed tensors are buffers, so `.to("cuda")` moves the layer like any module.
+    """
+
+    def __init__(self, packed: TritonPackedInt4, bias: torch.Tensor | None):
+        super().__init__()
+        self.in_features, self.out_features = packed.in_features, packed.out_features
+        self.group_size = packed.group_size
+        self.register_buffer("qweight", packed.qweight)
+        self.register_buffer("scales", packed.scales)
+        self.register_buffer("zeros", packed.zeros)
+        self.register_buffer("perm", packed.perm)
+        self.bias = None if bias is None else torch.nn.Parameter(bias.detach().clone(), requires_grad=False)
+
+    def packed(self) -> TritonPackedInt4:
+        return TritonPackedInt4(self.qweight, self.scales, self.zeros, self.perm, self.in_features, self.out_features,
+                                self.group_size)
+
+    def _streamed_tensors(self) -> list[torch.Tensor | None]:
+        # a forward reads the packed codes, the scales and zero points, the act-order permutation
+        return [self.qweight, self.scales, self.zeros, self.perm, self.bias]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return int4_matmul(x, self.packed(), self.bias)
+
+
+def triton_int4_linear(q: QuantizedWeight, bias: torch.Tensor | None) -> TritonInt4Linear | None:
+    """The Triton kernel layer for `q` (packed on q's device), or None when Triton is not
+    installed or the kernel cannot take the weight's layout (the caller keeps dense weights)."""
+    if not triton_available():
+        return None
+    try:
+        packed = pack_int4(q.codes, q.scales, q.zeros, q.g_idx)
+    except ValueError:
+        return None
+    return TritonInt4Linear(packed, bias)
