@@ -5,8 +5,9 @@ path; and `TritonInt4Linear` built from checkpoint-layout weights.
 Without CUDA the kernels run in Triton's interpreter on CPU (TRITON_INTERPRET=1, set here
 before Triton is imported); with CUDA they run compiled, bf16 included (`tl.dot` on bf16
 is wrong in the interpreter). Tolerances are relative to the output's max |value|:
-fp32 1e-5 (fp32 dot, summation order only), fp16 4e-3 and bf16 3e-2 (the dequantized
-weight is rounded to x's dtype before the dot, and the output is rounded to it).
+fp32 1e-5 (fp32 dot, summation order only), fp16 2e-3 and bf16 3e-2 (the dequantized
+weight is rounded to x's dtype before the dot, and the output is rounded to it). Worst
+seen in the interpreter: fp32 6e-7, fp16 4.6e-4.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ DEVICES = [
     pytest.param("cpu", marks=pytest.mark.skipif(not INTERPRET, reason="CPU tensors need TRITON_INTERPRET=1")),
     pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")]),
 ]
-TOLERANCE = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 3e-2}
 # paths for the test shapes: M 1-2 gemv, 3-16 split-K, 17-63 tiled GEMM, 64+ dequantize + torch matmul
 TEST_THRESHOLDS = PathThresholds(gemv_max_rows=2, splitk_max_rows=16, dequant_min_rows=64)
 ROWS = [1, 2, 3, 7, 16, 17, 33, 67]
@@ -208,7 +209,8 @@ def test_kernels_import_nothing_from_llmopt_outside_kernels():
             for name in names:
                 assert not name.startswith("llmopt") or name.startswith("llmopt.kernels"), (path.name, name)
     # and at run time, importing and calling the Triton module loads no other llmopt module
-    code = ("import os, sys, torch; os.environ.setdefault('TRITON_INTERPRET', '1');"
+    code = ("import os, sys, torch;"
+            "torch.cuda.is_available() or os.environ.setdefault('TRITON_INTERPRET', '1');"
             "from llmopt.kernels.triton_int4 import pack_int4, int4_matmul;"
             "p = pack_int4(torch.zeros(8, 32, dtype=torch.int32), torch.ones(8, 1), torch.zeros(8, 1),"
             "              torch.zeros(32, dtype=torch.int32));"
