@@ -104,7 +104,7 @@ class PackedInt4:
 def _even_groups(g: torch.Tensor) -> int | None:
     """The group width if sorted group ids `g` are 0, 1, 2, ... each repeated equally often."""
     ids, counts = torch.unique_consecutive(g, return_counts=True)
-    if torch.equal(ids, torch.arange(len(ids))) and bool((counts == counts[0]).all()):
+    if torch.equal(ids, torch.arange(len(ids), device=g.device)) and bool((counts == counts[0]).all()):
         return int(counts[0])
     return None
 

@@ -146,7 +146,8 @@ def test_packing_round_trip_and_refusals():
 @pytest.mark.parametrize("device", DEVICES)
 def test_batched_strided_and_empty_inputs(device):
     q = quantized(72, 128, 64, act_order=True, seed=3)
-    packed = pack_int4(q.codes, q.scales, q.zeros, q.g_idx).to(device)
+    packed = pack_int4(*(t.to(device) for t in (q.codes, q.scales, q.zeros, q.g_idx)))  # packed on the device
+    assert packed.qweight.device.type == device
     x = torch.randn(2, 3, 256, generator=torch.Generator().manual_seed(4)).to(device)[..., ::2]  # non-contiguous
     y = int4_matmul(x, packed, None, TEST_THRESHOLDS)
     assert y.shape == (2, 3, 72)
