@@ -5,6 +5,8 @@ be importable as a top-level `kernels` module, which transformers probes for.
 Here now: the pure-PyTorch paged attention (`paged_attention.py`) and the fp32 CPU
 kernels in C++ (`csrc/`, built by `cpu_extension.py`): decode attention
 (`cpu_paged_attention.py`), the few-row matmul of decode steps (`cpu_linear.py`) and the
-fused RMSNorm / rope / silu*up (`cpu_fused.py`). The Triton paged-attention and int4
-dequant-matmul kernels land with the kernels issue.
+fused RMSNorm / rope / silu*up (`cpu_fused.py`). Triton paged attention for CUDA
+(`triton_paged_attention.py`: write_kv, split-KV decode in `triton_paged_decode.py`,
+varlen chunked prefill in `triton_paged_prefill.py`); importing it imports triton, so
+nothing here imports it implicitly. The int4 dequant-matmul kernel lands with the kernels issue.
 """
