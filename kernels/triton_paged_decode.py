@@ -58,6 +58,7 @@ def _num_sms(device: torch.device) -> int:
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, part_out_ptr, part_lse_ptr,
     scale_log2,  # softmax scale * log2(e): the kernel works in exp2
+    k_scale, v_scale,  # an fp8 pool's dequantisation scales (stored = value / scale)
     stride_qb, stride_qh,
     stride_ks, stride_kh,
     stride_vs, stride_vh,
@@ -106,7 +107,10 @@ def _decode_split_kernel(
         slot = block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
         kv_mask = key_ok[:, None] & dim_ok[None, :]
         k = tl.load(k_ptr + slot[:, None] * stride_ks + kv_head * stride_kh + dims[None, :],
-                    mask=kv_mask, other=0.0).to(q.dtype)
+                    mask=kv_mask, other=0.0)
+        if k_ptr.dtype.element_ty == tl.float8e4nv:  # dequantise in fp32, then to the query dtype
+            k = k.to(tl.float32) * k_scale
+        k = k.to(q.dtype)
         if FP32_DOT:
             scores = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
@@ -116,7 +120,10 @@ def _decode_split_kernel(
         p = tl.exp2(scores - m_new[:, None])
         alpha = tl.exp2(m - m_new)  # m = -inf on the first tile: alpha = 0, acc is 0 anyway
         v = tl.load(v_ptr + slot[:, None] * stride_vs + kv_head * stride_vh + dims[None, :],
-                    mask=kv_mask, other=0.0).to(q.dtype)
+                    mask=kv_mask, other=0.0)
+        if v_ptr.dtype.element_ty == tl.float8e4nv:
+            v = v.to(tl.float32) * v_scale
+        v = v.to(q.dtype)
         if FP32_DOT:
             pv = tl.dot(p, v, input_precision="ieee")
         else:
@@ -170,7 +177,8 @@ def _merge_splits(
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int,
                            scale: float, sliding_window: int | None = None, num_splits: int | None = None,
-                           max_context_len: int | None = None) -> torch.Tensor:
+                           max_context_len: int | None = None, k_scale: float = 1.0,
+                           v_scale: float = 1.0) -> torch.Tensor:
     """One query token per sequence, through the block tables.
 
     q [batch, heads, head_dim]; k_cache/v_cache [slots, kv_heads, head_dim] (any dtype that
@@ -178,7 +186,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     read); context_lens [batch] keys per sequence (>= 1, the new token included).
     Returns [batch, heads, head_dim] in q's dtype. `num_splits`: force split-KV (default:
     `choose_num_splits`); `max_context_len`: max(context_lens) if the caller knows it
-    (saves a device sync; only the split heuristic uses it).
+    (saves a device sync; only the split heuristic uses it). `k_scale`/`v_scale`: an fp8
+    (e4m3) pool's scales, keys read as stored * k_scale (other pools ignore them).
     """
     batch, heads, head_dim = q.shape
     kv_heads = k_cache.shape[1]
@@ -202,7 +211,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     strides_p = (*part_out.stride()[:3], *part_lse.stride()[:2]) if num_splits > 1 else (0,) * 5
     _decode_split_kernel[(batch, kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_lse,
-        scale * math.log2(math.e),
+        scale * math.log2(math.e), float(k_scale), float(v_scale),
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1),

@@ -30,6 +30,7 @@ BLOCK_N = 32  # keys per tile
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, cu_q_ptr, ctx_ptr,
     scale_log2,  # softmax scale * log2(e): the kernel works in exp2
+    k_scale, v_scale,  # an fp8 pool's dequantisation scales (stored = value / scale)
     window,  # sliding window, 0 = none
     stride_qt, stride_qh,
     stride_ks, stride_kh,
@@ -81,7 +82,10 @@ def _prefill_kernel(
         slot = block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
         kv_mask = key_ok[:, None] & dim_ok[None, :]
         k = tl.load(k_ptr + slot[:, None] * stride_ks + kv_head * stride_kh + dims[None, :],
-                    mask=kv_mask, other=0.0).to(q.dtype)
+                    mask=kv_mask, other=0.0)
+        if k_ptr.dtype.element_ty == tl.float8e4nv:  # dequantise in fp32, then to the query dtype
+            k = k.to(tl.float32) * k_scale
+        k = k.to(q.dtype)
         if FP32_DOT:
             scores = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
@@ -95,7 +99,10 @@ def _prefill_kernel(
         p = tl.exp2(scores - m_safe[:, None])
         alpha = tl.exp2(m - m_safe)
         v = tl.load(v_ptr + slot[:, None] * stride_vs + kv_head * stride_vh + dims[None, :],
-                    mask=kv_mask, other=0.0).to(q.dtype)
+                    mask=kv_mask, other=0.0)
+        if v_ptr.dtype.element_ty == tl.float8e4nv:
+            v = v.to(tl.float32) * v_scale
+        v = v.to(q.dtype)
         if FP32_DOT:
             pv = tl.dot(p, v, input_precision="ieee")
         else:
@@ -112,7 +119,8 @@ def _prefill_kernel(
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
                             block_size: int, scale: float, sliding_window: int | None = None,
-                            max_query_len: int | None = None) -> torch.Tensor:
+                            max_query_len: int | None = None, k_scale: float = 1.0,
+                            v_scale: float = 1.0) -> torch.Tensor:
     """Attention for a flat batch of prompt chunks, through the block tables.
 
     q [total_tokens, heads, head_dim]: the chunks of all sequences back to back;
@@ -121,6 +129,8 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     chunk length tokens; k_cache/v_cache [slots, kv_heads, head_dim], the chunks' own K/V
     already written. Returns [total_tokens, heads, head_dim] in q's dtype.
     `max_query_len`: the longest chunk if the caller knows it (saves a device sync).
+    `k_scale`/`v_scale`: an fp8 (e4m3) pool's scales, keys read as stored * k_scale (other
+    pools ignore them).
     """
     total, heads, head_dim = q.shape
     kv_heads = k_cache.shape[1]
@@ -138,7 +148,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     tiles = triton.cdiv(max_query_len, BLOCK_M // group)
     _prefill_kernel[(num_seqs, kv_heads, tiles)](
         q, k_cache, v_cache, out, block_tables, cu_seqlens_q, context_lens,
-        scale * math.log2(math.e), sliding_window or 0,
+        scale * math.log2(math.e), float(k_scale), float(v_scale), sliding_window or 0,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1),

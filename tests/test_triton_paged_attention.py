@@ -27,6 +27,8 @@ pytest.importorskip("triton")
 
 from llmopt.kernels import paged_attention as ref  # noqa: E402
 from llmopt.kernels.triton_paged_attention import (  # noqa: E402
+    FP8_DTYPE,
+    FP8_MAX,
     choose_num_splits,
     paged_decode_attention,
     paged_prefill_attention,
@@ -36,7 +38,7 @@ from llmopt.kernels.triton_paged_decode import MAX_SPLITS  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 gpu = pytest.mark.skipif(DEVICE.type != "cuda", reason="bf16 queries need CUDA (the interpreter's bf16 dot is wrong)")
-KERNEL_FILES = ["triton_paged_attention.py", "triton_paged_decode.py", "triton_paged_prefill.py"]
+KERNEL_FILES = ["triton_paged_attention.py", "triton_paged_decode.py", "triton_paged_prefill.py", "triton_write_kv.py"]
 
 
 def _tol(dtype: torch.dtype) -> dict:
@@ -219,36 +221,43 @@ def test_prefill_dtypes(q_dtype, kv_dtype):
 
 
 @pytest.mark.parametrize("window", [None, 10])
-def test_chunked_prefill_then_decode_equals_one_pass(window):
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, FP8_DTYPE])
+def test_chunked_prefill_then_decode_equals_one_pass(window, kv_dtype):
     """A prompt written and attended chunk by chunk (write_kv, then prefill over the cached
-    prefix), then decoded one token, gives what one whole-prompt pass gives."""
+    prefix), then decoded one token, gives what one whole-prompt pass over the same
+    (rounded, for fp8 scaled) K/V gives."""
     block_size, kv_heads, heads, head_dim = 16, 1, 4, 16
     gen = torch.Generator().manual_seed(8)
     total = 41
     tables, num_blocks = _tables([total], block_size, gen)
-    k_cache = torch.zeros(num_blocks * block_size, kv_heads, head_dim, dtype=torch.bfloat16, device=DEVICE)
+    k_cache = torch.zeros(num_blocks * block_size, kv_heads, head_dim, dtype=kv_dtype, device=DEVICE)
     v_cache = torch.zeros_like(k_cache)
     q = torch.randn(total, heads, head_dim, generator=gen).to(DEVICE)
     k = torch.randn(total, kv_heads, head_dim, generator=gen).to(DEVICE)
     v = torch.randn(total, kv_heads, head_dim, generator=gen).to(DEVICE)
     slots = _slots(tables[0], total, block_size)
     scale = head_dim ** -0.5
+    scales = {"k_scale": 0.02, "v_scale": 0.05} if kv_dtype == FP8_DTYPE else {}
 
     outs, done = [], 0
     for n in (13, 19, 8):  # the last token (position 40) is the decode
-        write_kv(k_cache, v_cache, slots[done: done + n], k[done: done + n], v[done: done + n])
+        write_kv(k_cache, v_cache, slots[done: done + n], k[done: done + n], v[done: done + n], **scales)
         cu = torch.tensor([0, n], dtype=torch.int32, device=DEVICE)
         ctx = torch.tensor([done], dtype=torch.int32, device=DEVICE)
         outs.append(paged_prefill_attention(q[done: done + n], k_cache, v_cache, tables, cu, ctx, block_size, scale,
-                                            window))
+                                            window, **scales))
         done += n
-    write_kv(k_cache, v_cache, slots[done:], k[done:], v[done:])
+    write_kv(k_cache, v_cache, slots[done:], k[done:], v[done:], **scales)
     lens = torch.tensor([total], dtype=torch.int32, device=DEVICE)
     outs.append(paged_decode_attention(q[done:], k_cache, v_cache, tables, lens, block_size, scale, window,
-                                       num_splits=2))
+                                       num_splits=2, **scales))
 
+    if kv_dtype == FP8_DTYPE:
+        k_seen, v_seen = _fp8_dequant(_fp8_quant(k, 0.02), 0.02), _fp8_dequant(_fp8_quant(v, 0.05), 0.05)
+    else:
+        k_seen, v_seen = k.to(kv_dtype).float(), v.to(kv_dtype).float()
     mask = ref.prefill_mask(total, 0, window, DEVICE)
-    expected = ref.attend(q, k.to(torch.bfloat16).float(), v.to(torch.bfloat16).float(), mask)
+    expected = ref.attend(q, k_seen, v_seen, mask)
     torch.testing.assert_close(torch.cat(outs), expected, **_tol(torch.float32))
 
 
@@ -279,6 +288,63 @@ def test_write_kv_skips_negative_slots():
     write_kv(k_cache, v_cache, torch.tensor([4, -1, 9], device=DEVICE), k, 2 * k)
     assert k_cache.sum() == 2 * 32 and v_cache.sum() == 2 * 2 * 32
     assert (k_cache[[4, 9]] == 1).all() and (v_cache[[4, 9]] == 2).all()
+
+
+def _fp8_quant(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """What an fp8 pool holds for x: x / scale, saturated, as e4m3 (torch's rounding)."""
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
+def _fp8_dequant(stored: torch.Tensor, scale: float) -> torch.Tensor:
+    return stored.float() * scale
+
+
+def test_write_kv_fp8_matches_torch_quantisation_exactly():
+    gen = torch.Generator().manual_seed(10)
+    k_scale, v_scale = 0.03, 2.0
+    k = torch.randn(6, 2, 32, generator=gen) * 3
+    v = torch.randn(6, 2, 32, generator=gen) * 300
+    # edge cases: rounding up across a power of two, ties, e4m3 subnormals and their
+    # rounding, saturation past 448, infinities, NaN
+    edges = torch.tensor([31.9, -31.9, 15.5, 17.0, 0.015, -0.0009, 0.00098, 1e-9, 500.0, -1e6,
+                          float("inf"), float("-inf"), float("nan"), 0.0, 448.0, 464.0])
+    k[0, 0, :16] = edges * k_scale
+    v[0, 1, :16] = edges * v_scale
+    k, v = k.to(DEVICE), v.to(DEVICE)
+    k_cache = torch.zeros(16, 2, 32, dtype=FP8_DTYPE, device=DEVICE)
+    v_cache = torch.zeros_like(k_cache)
+    slots = torch.tensor([3, 0, 15, 8, 9, 4], device=DEVICE)
+    write_kv(k_cache, v_cache, slots, k, v, k_scale=k_scale, v_scale=v_scale)
+    torch.testing.assert_close(k_cache[slots].float(), _fp8_quant(k, k_scale).float(), rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(v_cache[slots].float(), _fp8_quant(v, v_scale).float(), rtol=0, atol=0, equal_nan=True)
+
+
+FP8_SCALES = {"k_scale": 0.02, "v_scale": 0.5}
+
+
+def _fp8_pools(k_cache: torch.Tensor, v_cache: torch.Tensor):
+    """fp8 pools holding k/v at FP8_SCALES, and the fp32 pools of the values they stand for."""
+    k8, v8 = _fp8_quant(k_cache, FP8_SCALES["k_scale"]), _fp8_quant(v_cache, FP8_SCALES["v_scale"])
+    return k8, v8, _fp8_dequant(k8, FP8_SCALES["k_scale"]), _fp8_dequant(v8, FP8_SCALES["v_scale"])
+
+
+@pytest.mark.parametrize("q_dtype", [torch.float32, torch.float16])
+def test_decode_and_prefill_over_fp8_pool(q_dtype):
+    """An e4m3 pool with per-layer scales reads as stored * scale: the same result as the
+    reference over an fp32 pool of those values (so the fp32 / fp16 tolerances hold)."""
+    q, k_cache, v_cache, tables, lens = _decode_case(DECODE_LENS, 8, 2, 16, 16, q_dtype, torch.float32, seed=11)
+    k8, v8, k_deq, v_deq = _fp8_pools(k_cache * 0.05, v_cache)  # keys ~ 2.5 stored units: several binades
+    expected = _ref_decode(q, k_deq, v_deq, tables, lens, 16, 20)
+    for splits in (1, 3):
+        got = paged_decode_attention(q, k8, v8, tables, lens, 16, 16 ** -0.5, 20, num_splits=splits, **FP8_SCALES)
+        torch.testing.assert_close(got.float(), expected, **_tol(q_dtype))
+
+    q, k_cache, v_cache, tables, cu, ctx = _prefill_case([0, 21], [25, 6], 6, 2, 16, 16, q_dtype, torch.float32,
+                                                         seed=12)
+    k8, v8, k_deq, v_deq = _fp8_pools(k_cache * 0.05, v_cache)
+    expected = _ref_prefill(q, k_deq, v_deq, tables, cu, ctx, 16, None)
+    got = paged_prefill_attention(q, k8, v8, tables, cu, ctx, 16, 16 ** -0.5, None, **FP8_SCALES)
+    torch.testing.assert_close(got.float(), expected, **_tol(q_dtype))
 
 
 def test_kernel_files_import_nothing_from_llmopt_outside_kernels():
