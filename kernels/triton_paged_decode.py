@@ -4,7 +4,8 @@ Same semantics as `paged_attention.paged_decode_attention` + `decode_mask` (the 
 the query of a sequence with `len` keys sits at position len-1 and sees keys 0..len-1, and
 with a sliding window only keys with position > len-1-window. K/V live in per-layer pools
 `[num_blocks * block_size, kv_heads, head_dim]` (slot = block_id * block_size + offset),
-possibly narrower than the queries; they are widened to the query dtype as they are loaded.
+possibly narrower than the queries (widened to the query dtype as they are loaded), or
+float8_e4m3fn with a per-layer scale (read as stored * k_scale / v_scale, in fp32).
 
 Grid of the main kernel: (sequence, kv_head, split). One program holds all query heads of
 one KV head (grouped-query attention), so each K/V row is loaded once per KV head, and

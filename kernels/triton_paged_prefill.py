@@ -11,7 +11,8 @@ Grid: (sequence, kv_head, query tile). A program's rows are (query token, query 
 that KV head) pairs — row r is token r // GROUP, head r % GROUP — so all the query heads
 sharing a KV head (grouped-query attention) read each K/V tile once, and the tile stays a
 tl.dot-sized matrix even for a one-token chunk with few heads. Keys are looked up slot by
-slot through the block table, read in place and widened to the query dtype.
+slot through the block table, read in place and widened to the query dtype (an fp8
+pool's values multiplied by its scale first).
 """
 
 from __future__ import annotations
