@@ -1,4 +1,4 @@
-"""report.md and plots for the offline benchmarks (`bench throughput`, `bench latency`)."""
+"""report.md and plots for the offline benchmarks (`bench throughput`, `bench latency`, `bench kernels`)."""
 
 from __future__ import annotations
 
@@ -64,6 +64,29 @@ def write_latency_report(output_dir: Path, document: dict[str, Any]) -> None:
         markdown_table(latency_rows(document), LATENCY_COLUMNS),
         "![decode tokens/s and the roofline](latency.png)" if ran else "",
     ])
+
+
+def write_kernels_report(output_dir: Path, document: dict[str, Any]) -> None:
+    """results.json and report.md (one table per kernel; no plots: the tables are the result)."""
+    from llmopt.bench.kernels import KERNEL_TITLES, TABLE_COLUMNS, summary, table_rows
+
+    output_dir = Path(output_dir)
+    write_results(output_dir, document)
+    config, meta = document["config"], document["metadata"]
+    paragraphs = [
+        f"Device `{config['device']}`: copy bandwidth {config['copy_bandwidth_gb_s']:.1f} GB/s (`copy_`, bytes read + "
+        f"written), dense GEMM {config['gemm_tflops']:.2f} TFLOPS. Each call timed on its own after a "
+        f"{config['flush_bytes'] / 2**20:.0f} MiB cache flush; medians of {config['num_iters']} calls after "
+        f"{config['num_iters_warmup']} warm-up. GB/s: the weight bytes as stored (int4 matmul) or the K/V bytes "
+        "attended to (decode) over the time; speedup: the problem's first (dense / PyTorch) row's time over this one.",
+    ]
+    for kernel in config["kernels"]:
+        rows = table_rows(document, kernel)
+        if rows:
+            line = summary(document, kernel)
+            paragraphs += [f"## {KERNEL_TITLES[kernel]}", line and f"Speedups: {line}.",
+                           markdown_table(rows, TABLE_COLUMNS)]
+    _write_markdown(output_dir, "kernels", config["device"], meta, paragraphs)
 
 
 def _write_markdown(output_dir: Path, kind: str, model: str, meta: dict[str, Any], paragraphs: list[str]) -> None:

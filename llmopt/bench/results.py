@@ -1,9 +1,9 @@
 """The results file every `llmopt bench` command writes, and reading it back.
 
-`results.json`: {"llmopt_bench": 1, "kind": "throughput" | "latency" | "serve", "metadata":
+`results.json`: {"llmopt_bench": 1, "kind": "throughput" | "latency" | "serve" | "kernels", "metadata":
 environment.collect_metadata(), "config": the full configuration, "runs": [{"label": ..., figures
 under vLLM's key names (output_throughput, mean_ttft_ms, p99_itl_ms, ...)}, ...]}. One run per
-engine (throughput), batch size (latency) or load point (serve).
+engine (throughput), batch size (latency), load point (serve) or (problem, back end) (kernels).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from llmopt.core.atomic import atomic_file
 from llmopt.errors import LlmoptError
 
 FORMAT_VERSION = 1
-KINDS = ("throughput", "latency", "serve")
+KINDS = ("throughput", "latency", "serve", "kernels")
 
 
 def results_document(kind: str, metadata: dict[str, Any], config: dict[str, Any],

@@ -1,5 +1,6 @@
 """`llmopt bench`: throughput (engines side by side, offline), latency (with a roofline),
-serve (an online load generator for any OpenAI-compatible endpoint) and compare (results files)."""
+serve (an online load generator for any OpenAI-compatible endpoint), kernels (micro-benchmarks
+of llmopt's own kernels) and compare (results files)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from rich.table import Table
 from llmopt.cli.common import console, err_console, handles_errors, print_json
 from llmopt.cli.engine_args import EngineArgs, engine_options
 
-app = typer.Typer(help="Benchmarks: engines side by side, online load, latency, comparisons.", no_args_is_help=True)
+app = typer.Typer(help="Benchmarks: engines side by side, online load, latency, kernels, comparisons.",
+                  no_args_is_help=True)
 
 DATASET = typer.Option("chat", "--dataset", help="chat, prefix-shared, random, or a ShareGPT .json / .jsonl file.")
 NUM_PROMPTS = typer.Option(32, "--num-prompts", help="Requests in the workload.")
@@ -153,6 +155,55 @@ def latency(
 
 
 app.command("latency")(latency)
+
+@handles_errors
+def kernels(
+    kernels_: str = typer.Option("int4_matmul,paged_decode", "--kernels",
+                                 help="Comma-separated: int4_matmul, paged_decode."),
+    device: str = typer.Option("auto", "--device", help="auto (CUDA if present), cpu, cuda or cuda:N."),
+    rows: str | None = typer.Option(None, "--rows",
+                                    help="int4 matmul: comma-separated M (CUDA 1,2,...,128; CPU 1,4,16,64)."),
+    batch: str | None = typer.Option(None, "--batch", help="Decode attention: comma-separated batch sizes (8,32)."),
+    context: int | None = typer.Option(None, "--context",
+                                       help="Decode attention: keys per sequence (CUDA 4096, CPU 256)."),
+    num_iters_warmup: int | None = typer.Option(None, "--num-iters-warmup", help="Untimed calls (CUDA 5, CPU 2)."),
+    num_iters: int | None = typer.Option(None, "--num-iters", help="Timed calls per figure (CUDA 50, CPU 10)."),
+    threads: int | None = THREADS,
+    output: Path | None = OUTPUT_DIR,
+    json_out: bool = JSON_OUT,
+) -> None:
+    """Kernel micro-benchmarks: int4 matmul and paged decode attention against the dense / PyTorch paths."""
+    from llmopt.bench.kernels import (KERNEL_TITLES, TABLE_COLUMNS, KernelsConfig, parse_ints, parse_kernels,
+                                      resolve, run_kernels, summary, table_rows)
+    from llmopt.bench.offline_report import write_kernels_report
+    from llmopt.bench.results import prepare_output_dir
+
+    config = KernelsConfig(device=device, kernels=parse_kernels(kernels_),
+                           rows=None if rows is None else parse_ints(rows, "--rows"),
+                           batches=None if batch is None else parse_ints(batch, "--batch"), context=context,
+                           num_iters=num_iters, num_iters_warmup=num_iters_warmup, threads=threads)
+    resolve(config)  # bad values fail here, before any output folder exists
+    if output is not None:
+        prepare_output_dir(output)
+    with err_console.status("") as status:
+        document = run_kernels(config, lambda text: status.update(f"bench kernels: {text} ..."))
+    if output is not None:
+        write_kernels_report(output, document)
+    if json_out:
+        print_json(document)
+        return
+    c = document["config"]
+    for kernel in c["kernels"]:
+        line = summary(document, kernel)
+        _wide_console().print(_table(
+            f"{KERNEL_TITLES[kernel]} on {c['device']} (copy bandwidth {c['copy_bandwidth_gb_s']:.1f} GB/s), median of "
+            f"{c['num_iters']} cold-cache calls" + (f"; {line}" if line else ""),
+            TABLE_COLUMNS, table_rows(document, kernel)))
+    if output is not None:
+        err_console.print(f"wrote {output}/results.json and report.md")
+
+
+app.command("kernels")(kernels)
 
 from llmopt.cli import bench_serve  # noqa: E402  (its commands register after the app exists)
 
