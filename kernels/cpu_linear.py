@@ -4,7 +4,7 @@ A decode step multiplies a handful of rows (one per running sequence) by every w
 matrix. MKL's GEMM, what `F.linear` runs, re-packs the weight on each call, and with few
 rows that copy outweighs the arithmetic: on the default model a batch-4 step spent twice
 as long in its linears as batch 1. The kernel reads each weight row once and dots it with
-all rows of x while it is in L1 (`scripts/bench_cpu_ops.py` has the figures). Larger
+all rows of x while it is in L1 (`llmopt bench kernels --device cpu` measures both). Larger
 inputs (prompt chunks, perplexity windows) keep MKL, which wins there.
 """
 
@@ -14,7 +14,7 @@ from typing import Callable
 
 from llmopt.kernels.cpu_extension import cpu_ops
 
-# up to this many rows the kernel beats MKL on this project's shapes (bench_cpu_ops.py)
+# up to this many rows the kernel beats MKL on this project's shapes (`llmopt bench kernels --device cpu`)
 SKINNY_MAX_ROWS = 96
 
 

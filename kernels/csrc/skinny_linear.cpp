@@ -4,7 +4,7 @@
 // more than the arithmetic, so a batch-4 decode step took twice as long as batch 1. Here each
 // weight row is read once, straight from the [out, in] row-major weight, and used against every
 // row of x while it sits in L1: dot products, 8 floats per AVX2 lane group, with the x rows
-// in L2. Batch 1 runs at memory bandwidth; batch 32 1.3-1.6x MKL's rate (scripts/bench_cpu_ops.py).
+// in L2. Batch 1 runs at memory bandwidth; batch 32 1.3-1.6x MKL's rate (`llmopt bench kernels --device cpu`).
 //
 // Every output element is the same arithmetic whatever the tile it falls in and whatever the
 // number of rows: 8 lane-wise partial sums over k in order, one fixed horizontal sum, then the

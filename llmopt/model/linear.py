@@ -38,7 +38,7 @@ WIDE_OUTPUT = 8192  # output features above which a layer counts as "very wide"
 class DenseLinear(LinearBase):
     """A plain (fp32 / fp16 / bf16) linear layer with Hugging Face tensor names.
 
-    fp32 on CPU takes the fastest of three paths (`scripts/bench_cpu_ops.py`, 2-core CPU):
+    fp32 on CPU takes the fastest of three paths (measured on a 2-core CPU; `llmopt bench kernels --device cpu`):
     - up to `SKINNY_MAX_ROWS` rows (decode steps), our C++ kernel: MKL's GEMM re-packs the
       weight on every call, which at few rows costs more than the arithmetic (batch 1: 16 vs
       28 ms for the default model's 30 layers; batch 32: 58 vs 73 ms);
