@@ -151,7 +151,8 @@ def compare(
     comparison = compare_files(files, patterns)
     for name, document in zip(comparison.names, comparison.documents):
         meta = document.get("metadata") or {}
-        what = meta.get("served_model_name") or (document.get("config") or {}).get("model") or "?"
+        what = meta.get("served_model_name") or (document.get("config") or {}).get("model") \
+            or (document.get("config") or {}).get("device") or "?"
         hardware = hardware_line(meta) if meta.get("gpu") or {"cpu", "torch_threads"} <= meta.keys() else "?"
         console.print(f"{name}: {comparison.kind}, {what}, {hardware}, {meta.get('date', '?')}",
                       highlight=False, markup=False)
