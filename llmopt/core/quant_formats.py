@@ -1,0 +1,109 @@
+"""AWQ "GEMM" and GPTQ v1 checkpoint tensors and configs: writing ours, reading anyone's.
+
+Both formats keep Hugging Face module names, one packed triple (or quadruple) per
+projection: `<module>.qweight`, `<module>.qzeros`, `<module>.scales` (fp16,
+[groups, out]) and for GPTQ `<module>.g_idx` ([in] int32, the group of each input
+column: act-order checkpoints have it permuted). Layouts are in `packing.py`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from llmopt.errors import LlmoptError
+from llmopt.core.quant_packing import awq_pack, awq_unpack, gptq_pack, gptq_unpack
+from llmopt.core.quantized_weight import QuantizedWeight, QuantScheme
+from llmopt.core.threads import one_thread
+
+CHECKPOINT_FORMATS = ("awq", "gptq")
+
+
+def quantization_config(fmt: str, scheme: QuantScheme, desc_act: bool = False, lm_head: bool = False,
+                        damp_percent: float = 0.1) -> dict[str, Any]:
+    """The `quantization_config` block transformers, vLLM and GPTQModel/AutoAWQ read."""
+    if fmt == "awq":
+        # AWQ's GEMM format always carries zero points: a symmetric grid is stored as zero = 8
+        return {"quant_method": "awq", "bits": scheme.bits, "group_size": scheme.group_size, "zero_point": True,
+                "version": "gemm", "modules_to_not_convert": None if lm_head else ["lm_head"]}
+    return {"quant_method": "gptq", "bits": scheme.bits, "group_size": scheme.group_size, "desc_act": desc_act,
+            "sym": scheme.sym, "checkpoint_format": "gptq", "static_groups": False, "true_sequential": True,
+            "lm_head": lm_head, "damp_percent": damp_percent}
+
+
+def pack_tensors(fmt: str, prefix: str, q: QuantizedWeight) -> dict[str, torch.Tensor]:
+    """Checkpoint tensors of one projection `prefix` (e.g. model.layers.0.self_attn.q_proj)."""
+    out_features, in_features = q.codes.shape
+    if out_features % 8 or in_features % 8:
+        raise LlmoptError(f"{prefix}: int4 packing needs both dimensions divisible by 8, got {out_features}x{in_features}")
+    scales = q.scales.t().contiguous().half()
+    if fmt == "awq":
+        if not torch.equal(q.g_idx.long(), torch.arange(in_features) // q.scheme.group_width(in_features)):
+            raise LlmoptError("the AWQ format cannot store act-order (permuted) groups; use --format gptq")
+        qweight, qzeros = awq_pack(q.codes, q.zeros)
+        return {f"{prefix}.qweight": qweight, f"{prefix}.qzeros": qzeros, f"{prefix}.scales": scales}
+    qweight, qzeros = gptq_pack(q.codes, q.zeros)
+    return {f"{prefix}.qweight": qweight, f"{prefix}.qzeros": qzeros, f"{prefix}.scales": scales,
+            f"{prefix}.g_idx": q.g_idx.to(torch.int32).clone()}
+
+
+def is_packed(tensors: dict[str, torch.Tensor], prefix: str) -> bool:
+    return f"{prefix}.qweight" in tensors
+
+
+def unpack_tensors(fmt: str, tensors: dict[str, torch.Tensor], prefix: str, bits: int, group_size: int,
+                   gptq_v2: bool = False) -> QuantizedWeight:
+    """Read one projection back as codes + grid, checking shapes agree with each other."""
+    if bits != 4:
+        raise LlmoptError(f"{prefix}: only 4-bit {fmt.upper()} checkpoints are supported (this one is {bits}-bit)")
+    try:
+        qweight, qzeros, scales = (tensors[f"{prefix}.{k}"] for k in ("qweight", "qzeros", "scales"))
+    except KeyError as exc:
+        raise LlmoptError(f"{fmt.upper()} checkpoint is missing tensor {exc.args[0]}") from None
+    try:
+        if fmt == "awq":
+            codes, zeros = awq_unpack(qweight, qzeros)
+        else:
+            codes, zeros = gptq_unpack(qweight, qzeros)
+            if gptq_v2:
+                zeros = zeros - 1  # v2 stores the zero point itself
+    except RuntimeError as exc:
+        raise LlmoptError(f"{prefix}: packed tensors do not fit together: {exc}") from None
+    out_features, in_features = codes.shape
+    width = in_features if group_size == -1 else group_size
+    if in_features % width:
+        raise LlmoptError(f"{prefix}: group size {group_size} does not divide the input size {in_features}")
+    groups = in_features // width
+    if tuple(scales.shape) != (groups, out_features) or tuple(zeros.shape) != (out_features, groups):
+        raise LlmoptError(
+            f"{prefix}: scales {tuple(scales.shape)} / qzeros {tuple(qzeros.shape)} do not match "
+            f"qweight {tuple(qweight.shape)} with group size {group_size}"
+        )
+    g_idx = tensors.get(f"{prefix}.g_idx")
+    if g_idx is None or fmt == "awq":
+        g_idx = torch.arange(in_features) // width
+    elif g_idx.shape != (in_features,) or int(g_idx.min()) < 0 or int(g_idx.max()) >= groups:
+        raise LlmoptError(f"{prefix}.g_idx has shape {tuple(g_idx.shape)} or values outside 0..{groups - 1}")
+    return QuantizedWeight(codes=codes.to(torch.uint8), scales=scales.float().t().contiguous(),
+                           zeros=zeros.to(torch.int16), g_idx=g_idx.to(torch.int32),
+                           scheme=QuantScheme(bits=bits, group_size=group_size))
+
+
+def dequantize_checkpoint(tensors: dict[str, torch.Tensor], fmt: str, bits: int, group_size: int,
+                          gptq_v2: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, QuantizedWeight]]:
+    """Replace every packed projection by a dense `<prefix>.weight` (float32), the reference path.
+
+    Returns the dense tensors and the unpacked weights by prefix (for int4 kernels).
+    """
+    prefixes = sorted(name[: -len(".qweight")] for name in tensors if name.endswith(".qweight"))
+    if not prefixes:
+        raise LlmoptError(f"the config says {fmt.upper()} but the checkpoint has no packed (.qweight) tensors")
+    dense = {k: v for k, v in tensors.items() if not k.rsplit(".", 1)[-1] in ("qweight", "qzeros", "scales", "g_idx")}
+    unpacked = {}
+    with one_thread():
+        for prefix in prefixes:
+            q = unpack_tensors(fmt, tensors, prefix, bits, group_size, gptq_v2)
+            unpacked[prefix] = q
+            dense[f"{prefix}.weight"] = q.dequantize()
+    return dense, unpacked
