@@ -67,6 +67,12 @@ def _put_ninja_on_path() -> None:
             pass  # the build then fails with a clear message and the PyTorch paths are used
 
 
+def _cache_root() -> Path:
+    """llmopt's cache folder (`LLMOPT_CACHE`, as `llmopt.core.embedded.cache_root` reads it):
+    read from the environment here, since `kernels/` imports nothing of llmopt."""
+    return Path(os.environ.get("LLMOPT_CACHE") or Path.home() / ".cache" / "llmopt")
+
+
 @functools.cache
 def cpu_ops() -> ModuleType | None:
     """The compiled kernels module (built or loaded once per process), or None where it cannot
@@ -76,10 +82,8 @@ def cpu_ops() -> ModuleType | None:
     try:
         from torch.utils.cpp_extension import load
 
-        from llmopt.core.embedded import cache_root
-
         _put_ninja_on_path()
-        folder = cache_root() / "torch_extensions" / _digest()
+        folder = _cache_root() / "torch_extensions" / _digest()
         folder.mkdir(parents=True, exist_ok=True)
         if not any(folder.glob("*.so")):
             log.info("building llmopt's CPU kernels (once per machine, ~50 s) in %s", folder)

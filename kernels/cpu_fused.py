@@ -3,16 +3,14 @@
 RMSNorm (optionally with the residual add before it), rotary embedding in place on q and
 k, and silu(gate) * up: between a layer's matmuls these are ~25 PyTorch ops whose dispatch
 costs more than their arithmetic on a decode step. The PyTorch versions in
-`llmopt/model/llama.py` and `rope.py` stay the reference (tests/test_cpu_fused_ops.py) and
-the path for other dtypes and devices.
+`llmopt/model/ops.py` stay the reference (tests/test_cpu_fused_ops.py) and the path for
+other dtypes and devices; that module chooses between them once, at load.
 """
 
 from __future__ import annotations
 
 import functools
 from types import ModuleType
-
-import torch
 
 from llmopt.kernels.cpu_extension import cpu_ops
 
@@ -23,9 +21,3 @@ def fused_ops() -> ModuleType | None:
     ops = cpu_ops()
     return ops if ops is not None and ops.fused_ops_available() else None
 
-
-def use_fused(x: torch.Tensor) -> ModuleType | None:
-    """The fused ops if they apply to `x` (fp32 on CPU), else None."""
-    if x.dtype is not torch.float32 or x.device.type != "cpu":
-        return None
-    return fused_ops()

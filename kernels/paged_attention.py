@@ -5,8 +5,9 @@ slot = block_id * block_size + offset. A sequence's keys are gathered through it
 indices (derived from its block table), so sequences never need contiguous memory.
 
 The pool may be stored in a narrower dtype than the model computes in (`kv_cache_dtype`,
-e.g. bf16 K/V for an fp32 model): K/V are rounded to it when written and widened back to
-the query's dtype when read, so attention itself runs in the query's dtype.
+e.g. bf16 K/V for an fp32 model, or fp8 e4m3 with scale 1): K/V are rounded to it when
+written and widened back to the query's dtype when read, so attention itself runs in the
+query's dtype.
 """
 
 from __future__ import annotations
@@ -20,8 +21,30 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.T
     """Store new keys/values [num_tokens, kv_heads, head_dim] at their slots, converted to
     the cache's dtype (round to nearest even for bf16/fp16)."""
     # index_copy_ needs matching dtypes; .to() is a no-op when they already match
-    k_cache.index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    for cache, new in ((k_cache, k), (v_cache, v)):
+        new = _to_pool(new, cache.dtype)
+        if cache.dtype == torch.float8_e4m3fn:  # no fp8 index_copy_ on CPU: copy the bytes
+            cache, new = cache.view(torch.uint8), new.view(torch.uint8)
+        cache.index_copy_(0, slot_mapping, new)
+
+
+def select_rows(cache: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """cache.index_select(0, index), also for fp8 pools (gathered as bytes: PyTorch has no fp8
+    index_select on CPU)."""
+    if cache.dtype == torch.float8_e4m3fn:
+        return cache.view(torch.uint8).index_select(0, index).view(cache.dtype)
+    return cache.index_select(0, index)
+
+
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+def _to_pool(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x in the pool's dtype; into fp8 e4m3 saturated at +-448 (a plain cast makes NaN of larger
+    values), as the Triton write_kv does."""
+    if dtype == torch.float8_e4m3fn:
+        x = x.float().clamp(-FP8_MAX, FP8_MAX)
+    return x.to(dtype)
 
 
 def decode_mask(context_lens: torch.Tensor, max_len: int, sliding_window: int | None,
@@ -55,8 +78,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     block_size = mask.shape[-1] // width
     # index_select, not advanced indexing: ~5x faster for this gather on CPU
     flat = block_tables.reshape(-1)
-    keys = k_cache.view(-1, block_size, kv_heads, head_dim).index_select(0, flat)  # [batch*width, bs, kvh, d]
-    values = v_cache.view(-1, block_size, kv_heads, head_dim).index_select(0, flat)
+    keys = select_rows(k_cache.view(-1, block_size, kv_heads, head_dim), flat)  # [batch*width, bs, kvh, d]
+    values = select_rows(v_cache.view(-1, block_size, kv_heads, head_dim), flat)
     # SDPA needs one dtype: convert the gathered blocks (a fresh tensor already), not the pool
     keys = keys.view(batch, width * block_size, kv_heads, head_dim).to(q.dtype).transpose(1, 2)
     values = values.view(batch, width * block_size, kv_heads, head_dim).to(q.dtype).transpose(1, 2)
@@ -104,6 +127,6 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     K/V read from a cache of another dtype are converted to q's.
     """
     mask = prefill_mask(q.shape[0], context_len, sliding_window, q.device)
-    keys = k_cache.index_select(0, slots).to(q.dtype)
-    values = v_cache.index_select(0, slots).to(q.dtype)
+    keys = select_rows(k_cache, slots).to(q.dtype)
+    values = select_rows(v_cache, slots).to(q.dtype)
     return attend(q, keys, values, mask)

@@ -11,6 +11,16 @@ import pytest
 # Tests never touch the network.
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Without CUDA the Triton kernels run in Triton's interpreter. `@triton.jit` reads the variable
+# when a kernel module is imported, so it is set here, before any test module imports one.
+if "TRITON_INTERPRET" not in os.environ:
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            os.environ["TRITON_INTERPRET"] = "1"
+    except ImportError:
+        pass
 
 
 @pytest.fixture(scope="session", autouse=True)

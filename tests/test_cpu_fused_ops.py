@@ -6,9 +6,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from llmopt.kernels.cpu_fused import fused_ops, use_fused
+from llmopt.kernels.cpu_fused import fused_ops
+from llmopt.model import ops as model_ops
 from llmopt.model.llama import RMSNorm
-from llmopt.model.rope import apply_rotary
+from llmopt.model.ops import apply_rotary, decoder_ops, select_backend
 
 ops = fused_ops()
 pytestmark = pytest.mark.skipif(ops is None, reason="the CPU kernels could not be built here (or no AVX2/FMA)")
@@ -24,11 +25,12 @@ def test_rms_norm_and_fused_add(rows, hidden):
     norm = RMSNorm(hidden, 1e-5)
     norm.weight.data = torch.rand(hidden, generator=gen) + 0.5
     x, residual = torch.randn(rows, hidden, generator=gen) * 3, torch.randn(rows, hidden, generator=gen)
-    torch.testing.assert_close(ops.rms_norm(x, norm.weight, norm.eps), norm._norm(x), rtol=2e-6, atol=2e-6)
+    torch.testing.assert_close(ops.rms_norm(x, norm.weight, norm.eps), model_ops.rms_norm(x, norm.weight, norm.eps), rtol=2e-6, atol=2e-6)
     out, summed = ops.add_rms_norm(x, residual, norm.weight, norm.eps)
     assert torch.equal(summed, residual + x)  # one fp32 add: exact
-    torch.testing.assert_close(out, norm._norm(residual + x), rtol=2e-6, atol=2e-6)
-    # the module picks the fused op for fp32 CPU rows, and the inputs are left alone
+    torch.testing.assert_close(out, model_ops.rms_norm(residual + x, norm.weight, norm.eps), rtol=2e-6, atol=2e-6)
+    # the module given the "cpu" ops runs the fused op on fp32 CPU rows, and the inputs are left alone
+    norm.ops = decoder_ops("cpu")
     x_before = x.clone()
     got_out, got_summed = norm(x, residual=residual)
     assert torch.equal(got_out, out) and torch.equal(got_summed, summed) and torch.equal(x, x_before)
@@ -68,6 +70,21 @@ def test_bad_shapes_are_refused():
         ops.rotary_embedding_(torch.randn(2, 8, 3).transpose(1, 2), torch.randn(2, 3, 8), torch.ones(2, 8), torch.ones(2, 8))
 
 
-def test_only_fp32_cpu_uses_them():
-    assert use_fused(torch.ones(2, 2)) is ops
-    assert use_fused(torch.ones(2, 2, dtype=torch.bfloat16)) is None
+def test_chosen_once_at_load_for_fp32_cpu_only(tiny_models, monkeypatch):
+    from llmopt.core import load
+
+    assert select_backend(torch.device("cpu"), torch.float32) == "cpu"
+    assert select_backend(torch.device("cpu"), torch.bfloat16) == "cpu"  # its int4 layers: PyTorch's CPU kernel
+    assert decoder_ops("cpu").backend == "cpu" and decoder_ops("reference") is model_ops.REFERENCE_OPS
+    bf16 = decoder_ops("cpu", torch.bfloat16)  # the fused ops are fp32 only
+    assert bf16.backend == "cpu" and bf16.rms_norm is model_ops.rms_norm
+    for dtype, backend in (("float32", "cpu"), ("bfloat16", "cpu")):
+        model = load(str(tiny_models["llama"]), dtype=dtype).model
+        assert {m.ops.backend for m in model.modules() if hasattr(m, "ops")} == {backend}
+    monkeypatch.setenv("LLMOPT_KERNELS", "reference")
+    assert select_backend(torch.device("cpu"), torch.float32) == "reference"
+    model = load(str(tiny_models["llama"])).model
+    assert {m.ops.backend for m in model.modules() if hasattr(m, "ops")} == {"reference"}
+    monkeypatch.setenv("LLMOPT_KERNELS", "fastest")
+    with pytest.raises(ValueError, match="LLMOPT_KERNELS"):
+        select_backend(torch.device("cpu"), torch.float32)

@@ -10,7 +10,7 @@ import torch
 from llmopt.kernels.cpu_int4 import (dequantize, dequantize_int8, int4_linear_kernel, int8_linear_kernel,
                                      quantize_activations, reference_int4_linear, reference_int8_linear, repack_int4,
                                      repack_int8)
-from llmopt.quant.formats import pack_tensors, unpack_tensors
+from llmopt.core.quant_formats import pack_tensors, unpack_tensors
 from llmopt.quant.quantizer import QuantizedWeight, QuantScheme, quantize_rtn
 
 kernel = int4_linear_kernel()
@@ -143,7 +143,7 @@ def test_dense_linear_int8_copy():
     layer = DenseLinear(64, 24, bias=True)
     layer.weight.data = torch.randn(24, 64, generator=gen)
     layer.bias.data = torch.randn(24, generator=gen)
-    layer.prepare()
+    layer.prepare("cpu")
     assert layer.use_compact_copy("int8")
     x = torch.randn(130, 64, generator=gen)  # more rows than the skinny limit: still the int8 copy
     q = layer.int8_weight

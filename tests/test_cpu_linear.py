@@ -64,7 +64,7 @@ def test_dense_linear_uses_the_kernel_for_few_rows_only():
     layer = DenseLinear(64, 48, bias=True)
     layer.weight.data = torch.randn(48, 64, generator=gen)
     layer.bias.data = torch.randn(48, generator=gen)
-    layer.prepare()
+    layer.prepare("cpu")
     assert layer.skinny is kernel
     few = torch.randn(2, 3, 64, generator=gen)  # 6 rows, any leading shape
     out = layer(few)
@@ -72,9 +72,13 @@ def test_dense_linear_uses_the_kernel_for_few_rows_only():
     assert torch.equal(out.reshape(6, 48), kernel(few.reshape(6, 64), layer.weight, layer.bias))
     many = torch.randn(SKINNY_MAX_ROWS + 1, 64, generator=gen)
     assert torch.equal(layer(many), F.linear(many, layer.weight, layer.bias))  # MKL, as transformers
-    # cast after prepare(): the kernel (fp32 only) is skipped, not crashed into
+    # prepared again after a cast (the kernel is fp32 only), or for another backend: plain F.linear
     layer.to(torch.float64)
-    assert torch.equal(layer(few.double()), F.linear(few.double(), layer.weight, layer.bias))
+    layer.prepare("cpu")
+    assert layer.skinny is None and torch.equal(layer(few.double()), F.linear(few.double(), layer.weight, layer.bias))
+    layer.to(torch.float32)
+    layer.prepare("reference")
+    assert layer.skinny is None and layer.onednn_weight is None and torch.equal(layer(few), F.linear(few, layer.weight, layer.bias))
 
 
 @pytest.mark.parametrize("rows", [1, 2, 7, 33, 130])
@@ -92,7 +96,7 @@ def test_dense_linear_bf16_copy_serves_every_row_count():
     gen = torch.Generator().manual_seed(6)
     layer = DenseLinear(64, 40)
     layer.weight.data = torch.randn(40, 64, generator=gen)
-    layer.prepare()
+    layer.prepare("cpu")
     assert layer.use_compact_copy("bf16") and layer.bf16_weight.dtype == torch.bfloat16
     assert layer.weight.dtype == torch.float32  # the plain weight stays (tied embeddings read it)
     for rows in (1, SKINNY_MAX_ROWS + 5):

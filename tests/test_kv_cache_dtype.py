@@ -96,12 +96,14 @@ def test_pytorch_paths_widen_a_bf16_pool_to_the_query_dtype():
 
 def test_config_names_the_valid_values():
     assert EngineConfig().kv_cache_dtype == "auto"
-    with pytest.raises(LlmoptError, match="auto, bfloat16, float16, float32"):
-        EngineConfig(kv_cache_dtype="fp8")
+    with pytest.raises(LlmoptError, match="auto, bfloat16, float16, float32, fp8"):
+        EngineConfig(kv_cache_dtype="int8")
+    assert resolve_kv_cache_dtype("fp8", torch.bfloat16) == resolve_kv_cache_dtype("fp8_e4m3", torch.float32) \
+        == torch.float8_e4m3fn
     assert resolve_kv_cache_dtype("auto", torch.float32) == torch.float32
     assert resolve_kv_cache_dtype("bfloat16", torch.float32) == torch.bfloat16
     assert resolve_kv_cache_dtype("float16", torch.bfloat16) == torch.float16
-    with pytest.raises(LlmoptError, match="wider than the model's bfloat16.*auto, bfloat16, float16$"):
+    with pytest.raises(LlmoptError, match="wider than the model's bfloat16.*auto, bfloat16, float16, fp8, fp8_e4m3$"):
         resolve_kv_cache_dtype("float32", torch.bfloat16)
 
 
@@ -141,6 +143,29 @@ def test_engine_bf16_pool_holds_twice_the_blocks_and_generates(tiny, kind):
     assert outputs[True] == outputs[False]  # kernel and PyTorch path agree on the same bf16 pool
 
 
+def test_fp8_pool_holds_four_times_the_blocks_and_scores_like_fp32(tiny):
+    """fp8 (e4m3, scale 1) K/V under an fp32 model: a quarter of the bytes per block, and the
+    prompt log-probabilities (the prefill reads back the chunk's own K/V from the pool) within
+    e4m3's rounding of the fp32 pool's - but not equal to them: the pool really is fp8."""
+    from llmopt.runtime import SamplingParams
+    from llmopt.runtime.llm import LLM
+
+    budget = 1 << 20
+    fp32 = LLM(tiny["llama"], kv_cache_memory=budget, block_size=4, max_model_len=128)
+    fp8 = LLM(tiny["llama"], kv_cache_memory=budget, block_size=4, max_model_len=128, kv_cache_dtype="fp8")
+    assert fp8.engine.runner.attn.k_caches.dtype == torch.float8_e4m3fn
+    assert 4 * fp32.engine.kv.num_blocks <= fp8.engine.kv.num_blocks < 4 * (fp32.engine.kv.num_blocks + 1)
+    assert fp8.engine.runner.attn.cpu_decode is None and fp8.engine.runner.decode_plan is None  # PyTorch path
+    prompts = [list(range(3, 60)), [5, 17, 99, 3, 42, 7, 120, 200, 13]]
+    params = SamplingParams(max_tokens=0, prompt_logprobs=0)
+    scores = {}
+    for name, llm in (("fp32", fp32), ("fp8", fp8)):
+        outs = llm.generate(prompts, params)
+        scores[name] = torch.tensor([next(iter(d.values())) for o in outs for d in o.prompt_logprobs[1:]])
+    diff = (scores["fp8"] - scores["fp32"]).abs()
+    assert 0 < diff.max().item() < 0.05, diff.max().item()  # measured: see the assertion message on failure
+
+
 def test_engine_refuses_a_pool_wider_than_the_model(tiny_models):
     from llmopt.core import load
     from llmopt.runtime.llm import LLM
@@ -155,7 +180,7 @@ def test_engine_refuses_a_pool_wider_than_the_model(tiny_models):
 
 @pytest.mark.parametrize("command", [["generate", "default", "-p", "hi"], ["serve", "default"], ["eval", "default"]])
 def test_cli_bad_kv_cache_dtype_exits_2(command):
-    assert_usage_error([*command, "--kv-cache-dtype", "fp8"], "kv_cache_dtype 'fp8'", "bfloat16")
+    assert_usage_error([*command, "--kv-cache-dtype", "int4"], "kv_cache_dtype 'int4'", "bfloat16")
 
 
 def test_vllm_gets_the_flag_when_set(monkeypatch):

@@ -1,7 +1,7 @@
 """Int4 layouts against hand-built expectations written straight from the published formats.
 
 The expectations below are plain Python loops over integers, independent of
-llmopt.quant.packing, so a mistake in the packer cannot hide in its own inverse.
+llmopt.core.quant_packing, so a mistake in the packer cannot hide in its own inverse.
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import random
 
 import torch
 
-from llmopt.quant.formats import pack_tensors, unpack_tensors
-from llmopt.quant.packing import awq_pack, awq_unpack, gptq_pack, gptq_unpack
+from llmopt.core.quant_formats import pack_tensors, unpack_tensors
+from llmopt.core.quant_packing import awq_pack, awq_unpack, gptq_pack, gptq_unpack
 from llmopt.quant.quantizer import QuantizedWeight, QuantScheme
 
 AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # AutoAWQ's GEMM order: nibble i holds output column ORDER[i]

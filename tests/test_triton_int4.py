@@ -160,7 +160,7 @@ def test_batched_strided_and_empty_inputs(device):
 def checkpoint_weight(fmt: str, out_features: int, in_features: int, group_size: int, act_order: bool,
                       seed: int) -> QuantizedWeight:
     """A quantized weight written in `fmt`'s packed checkpoint layout and read back as the loader does."""
-    from llmopt.quant.formats import pack_tensors, unpack_tensors
+    from llmopt.core.quant_formats import pack_tensors, unpack_tensors
 
     q = quantized(out_features, in_features, group_size, act_order, seed)
     return unpack_tensors(fmt, pack_tensors(fmt, "p", q), "p", 4, group_size)

@@ -28,8 +28,8 @@ _FLAGS: dict[str, tuple[str, str]] = {
     "enable_prefix_caching": ("--enable-prefix-caching/--no-enable-prefix-caching", "Reuse the KV blocks of "
                               "prompt prefixes seen before."),
     "kv_cache_memory": ("--kv-cache-memory", "KV pool size, e.g. 2GiB (CPU default: 10% of free RAM)."),
-    "kv_cache_dtype": ("--kv-cache-dtype", "KV cache element type: auto (the model's dtype), bfloat16, float16 or "
-                       "float32; 16-bit on an fp32 model holds twice the tokens."),
+    "kv_cache_dtype": ("--kv-cache-dtype", "KV cache element type: auto (the model's dtype), bfloat16, float16, "
+                       "float32 or fp8 (e4m3); 16-bit on an fp32 model holds twice the tokens, fp8 four times."),
     "gpu_memory_utilization": ("--gpu-memory-utilization", "GPU: fraction of device memory llmopt may use in all."),
     "dtype": ("--dtype", "auto, float32, bfloat16 or float16"),
     "device": ("--device", "cpu, cuda or cuda:N"),

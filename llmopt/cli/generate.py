@@ -126,6 +126,12 @@ def generate(
         }
         for i, (p, o) in enumerate(zip(prompts, outputs))
     ]
+    # decode speed of a request: its tokens after the first over the time after the first (llama.cpp's
+    # "eval" rate); pooled over requests, so with --max-num-seqs 1 it is batch-1 decode
+    decoded = [(len(o.outputs[0].token_ids) - 1, o.metrics.finished_time - o.metrics.first_token_time)
+               for o in outputs if not o.error and o.metrics.first_token_time and o.metrics.finished_time
+               and len(o.outputs[0].token_ids) > 1]
+    decode_time = sum(t for _, t in decoded)
     summary = {
         "model": model,
         "chat": use_chat,
@@ -134,6 +140,7 @@ def generate(
         "output_tokens": output_tokens,
         "elapsed_s": round(elapsed, 4),
         "output_tokens_per_s": round(output_tokens / elapsed, 2) if elapsed > 0 else 0.0,
+        "decode_tokens_per_s_per_request": round(sum(n for n, _ in decoded) / decode_time, 2) if decode_time else None,
         "engine": asdict(llm_engine.stats()),
     }
     if json_output:
@@ -149,7 +156,9 @@ def generate(
         mean_ttft = sum(ttfts) / len(ttfts) * 1000 if ttfts else 0.0
         err_console.print(
             f"[dim]{len(outputs)} request(s), {output_tokens} tokens in {elapsed:.2f} s = "
-            f"{summary['output_tokens_per_s']} tok/s, mean TTFT {mean_ttft:.0f} ms[/dim]"
+            f"{summary['output_tokens_per_s']} tok/s, mean TTFT {mean_ttft:.0f} ms"
+            + (f", decode {summary['decode_tokens_per_s_per_request']} tok/s per request"
+               if summary["decode_tokens_per_s_per_request"] else "") + "[/dim]"
         )
         spec = summary["engine"].get("spec_decode")
         if spec:

@@ -10,12 +10,15 @@ import torch
 
 from llmopt.core.config import ModelConfig
 from llmopt.core.convert import DTYPES
+from llmopt.core.quant_formats import dequantize_checkpoint
+from llmopt.core.quantized_weight import QuantizedWeight
 from llmopt.core.source import ModelSource, QuantizationInfo, resolve
 from llmopt.core.tokenizer import Tokenizer
 from llmopt.core.weights import load_safetensors, safetensors_files
 from llmopt.errors import LlmoptError
 from llmopt.model.linear import DenseLinear, LinearBase
 from llmopt.model.llama import LlamaForCausalLM, checkpoint_names
+from llmopt.model.ops import decoder_ops, select_backend
 from llmopt.model.rope import rope_inv_freq
 
 
@@ -57,7 +60,8 @@ def load_tokenizer(source: ModelSource | str) -> Tokenizer:
 
 
 def load(source: ModelSource | str, dtype: str = "auto", device: str = "cpu", int4_kernels: bool = True) -> LoadedModel:
-    """Load a model spec. AWQ / GPTQ projections run on an int4 kernel on CPU unless
+    """Load a model spec onto the kernel backend for its device and dtype (`llmopt.model.ops`,
+    chosen here once). AWQ / GPTQ projections run on that backend's int4 kernel unless
     `int4_kernels` is False: then every layer holds dense dequantized weights (what code
     that reads or rewrites weights, such as the quantizer, needs)."""
     if isinstance(source, str):
@@ -83,17 +87,23 @@ def load(source: ModelSource | str, dtype: str = "auto", device: str = "cpu", in
         if quant is not None and quant.method in ("awq", "gptq"):
             tensors, unpacked = _dequantized(tensors, quant, where=str(source.path))
     tokenizer.extra_eos_token_ids = sorted(set(tokenizer.extra_eos_token_ids) | set(config.eos_token_ids))
-    model = build_model(config, tensors, torch_dtype, torch_device, where=str(source.path))
-    if unpacked and int4_kernels and torch_device.type == "cpu":
-        use_int4_kernels(model, unpacked, torch_dtype)
+    try:
+        kernels = select_backend(torch_device, torch_dtype)
+    except ValueError as exc:  # a bad LLMOPT_KERNELS
+        raise LlmoptError(str(exc)) from None
+    model = build_model(config, tensors, torch_dtype, torch_device, where=str(source.path), kernels=kernels)
+    if unpacked and int4_kernels:
+        use_int4_kernels(model, unpacked, torch_dtype, kernels)
     return LoadedModel(source=source, config=config, tokenizer=tokenizer, model=model,
                        dtype=torch_dtype, device=torch_device)
 
 
 def build_model(
-    config: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device, where: str = "checkpoint"
+    config: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device,
+    where: str = "checkpoint", kernels: str = "reference",
 ) -> LlamaForCausalLM:
-    """Our decoder holding `tensors` (HF names), checked for missing and mis-shaped tensors."""
+    """Our decoder holding `tensors` (HF names), checked for missing and mis-shaped tensors,
+    its ops and layers set up for kernel backend `kernels`."""
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
     expected = {name: p.shape for name, p in model.named_parameters()}
@@ -120,16 +130,15 @@ def build_model(
         model.tie_weights()
     # non-persistent buffers were created on the meta device; compute them for real
     model.model.rotary_emb.inv_freq = rope_inv_freq(config).to(device)
+    model.use_ops(decoder_ops(kernels, dtype))
     for module in model.modules():
         if isinstance(module, LinearBase):
-            module.prepare()
+            module.prepare(kernels)
     return model.eval()
 
 
 def _dequantized(tensors: dict[str, torch.Tensor], quant: QuantizationInfo, where: str):
     """AWQ / GPTQ int4 projections unpacked: dense weights (the reference path) and codes + grids by prefix."""
-    from llmopt.quant.formats import dequantize_checkpoint
-
     if quant.group_size is None or quant.bits is None:
         raise LlmoptError(f"{where}: quantization_config needs 'bits' and 'group_size'")
     v2 = quant.details.get("checkpoint_format") == "gptq_v2"
@@ -141,16 +150,17 @@ def _dequantized(tensors: dict[str, torch.Tensor], quant: QuantizationInfo, wher
 INT4_MODEL_LM_HEAD = "int8"
 
 
-def use_int4_kernels(model: LlamaForCausalLM, unpacked: dict, dtype: torch.dtype) -> None:
-    """Swap each int4 projection's dense weight for an int4 kernel layer: llmopt's C++ kernel
-    for fp32 models, PyTorch's CPU int4 kernel for bf16/fp16 ones.
+def use_int4_kernels(model: LlamaForCausalLM, unpacked: dict, dtype: torch.dtype, kernels: str) -> None:
+    """Swap each int4 projection's dense weight for the int4 layer of kernel backend `kernels`
+    (`make_int4_linear`: llmopt's C++ kernel for fp32 CPU models, PyTorch's CPU int4 kernel for
+    bf16/fp16 ones, the Triton kernel on CUDA).
 
     Fused projections (q/k/v, gate/up) join their parts along the output dimension; a
     layer the kernel cannot take (odd group layout) keeps its dense weight.
     """
-    from llmopt.model.int4_linear import cpu_int4_linear, int4_linear
-    from llmopt.quant.quantizer import QuantizedWeight
+    from llmopt.model.int4_linear import make_int4_linear
 
+    device = model.lm_head.weight.device
     swapped = 0
     for name, module in list(model.named_modules()):
         if not isinstance(module, LinearBase):
@@ -164,14 +174,14 @@ def use_int4_kernels(model: LlamaForCausalLM, unpacked: dict, dtype: torch.dtype
         joined = QuantizedWeight(codes=torch.cat([q.codes for q in qs]), scales=torch.cat([q.scales for q in qs]),
                                  zeros=torch.cat([q.zeros for q in qs]), g_idx=qs[0].g_idx, scheme=qs[0].scheme)
         bias = getattr(module, "bias", None)
-        layer = cpu_int4_linear(joined, bias) if dtype == torch.float32 else int4_linear(joined, bias, dtype)
+        layer = make_int4_linear(joined, None if bias is None else bias.cpu(), kernels, dtype)
         if layer is not None:
             parent, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent) if parent else model, child, layer)
+            setattr(model.get_submodule(parent) if parent else model, child, layer.to(device))
             swapped += 1
     # with 4-bit projections the fp32 vocabulary projection (often the tied embeddings) would be
     # the largest read of a decode step: run it on a compact copy (docs/benchmarks.md, issue 13)
-    if swapped and dtype == torch.float32 and isinstance(model.lm_head, DenseLinear):
+    if swapped and kernels == "cpu" and dtype == torch.float32 and isinstance(model.lm_head, DenseLinear):
         model.lm_head.use_compact_copy(INT4_MODEL_LM_HEAD)
 
 

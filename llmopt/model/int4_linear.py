@@ -15,8 +15,10 @@ PyTorch's kernel was measured slow with fp32 activations on the 2-core CPU here,
 llmopt's own kernel for fp32 models.
 
 - `TritonInt4Linear` (CUDA; CPU only under TRITON_INTERPRET=1): llmopt's Triton
-  dequant-matmul (`llmopt.kernels.triton_int4`) for fp16 / bf16 / fp32 activations. Ready
-  and tested, not yet chosen by the loader.
+  dequant-matmul (`llmopt.kernels.triton_int4`) for fp16 / bf16 / fp32 activations: the
+  layer of the "triton" backend (CUDA).
+
+`make_int4_linear` picks the layer for the model's kernel backend (`llmopt.model.ops`).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from llmopt.kernels.cpu_int4 import PackedInt4, int4_linear_kernel, repack_int4
 from llmopt.kernels.triton_int4 import PackedInt4 as TritonPackedInt4
 from llmopt.kernels.triton_int4 import int4_matmul, pack_int4, triton_available
 from llmopt.model.linear import LinearBase
-from llmopt.quant.quantizer import QuantizedWeight
+from llmopt.core.quantized_weight import QuantizedWeight
 
 KERNEL_GROUP_SIZES = (32, 64, 128, 256)
 
@@ -153,3 +155,15 @@ def triton_int4_linear(q: QuantizedWeight, bias: torch.Tensor | None) -> TritonI
     except ValueError:
         return None
     return TritonInt4Linear(packed, bias)
+
+
+def make_int4_linear(q: QuantizedWeight, bias: torch.Tensor | None, kernels: str,
+                     dtype: torch.dtype) -> LinearBase | None:
+    """The int4 layer of kernel backend `kernels` for a model of `dtype`, or None where that
+    backend has none for this weight (the caller keeps the dense dequantized weight; always so
+    on the "reference" backend)."""
+    if kernels == "triton":
+        return triton_int4_linear(q, None if bias is None else bias.to(dtype))
+    if kernels == "cpu":
+        return cpu_int4_linear(q, bias) if dtype == torch.float32 else int4_linear(q, bias, dtype)
+    return None

@@ -1,8 +1,8 @@
 """Linear layers behind one small interface.
 
-Every projection in the decoder is built by `make_linear`, so quantized layers (int4
-AWQ / GPTQ) can slot in without touching the model code: a linear layer is any module
-mapping [..., in_features] to [..., out_features] that can load its own tensors.
+Every projection in the decoder is built by `make_linear`, and quantized layers (int4
+AWQ / GPTQ) replace them at load without touching the model code: a linear layer is any
+module mapping [..., in_features] to [..., out_features].
 """
 
 from __future__ import annotations
@@ -21,8 +21,10 @@ class LinearBase(nn.Module):
     in_features: int
     out_features: int
 
-    def prepare(self) -> None:
-        """Called once after loading: convert weights to the layout the forward wants."""
+    def prepare(self, kernels: str = "reference") -> None:
+        """Called once after loading, with the model's kernel backend (`llmopt.model.ops`):
+        choose the kernels and convert weights to the layout the forward wants. A caller that
+        replaces the weight afterwards calls it again."""
 
     def streamed_weight_bytes(self) -> int:
         """Bytes of weights (and bias) one forward reads: what a decode step costs in memory traffic."""
@@ -47,7 +49,8 @@ class DenseLinear(LinearBase):
     - everything else (prompt chunks, perplexity windows), MKL via `F.linear`, as transformers.
     Results agree to float rounding (~3e-6 per layer); the kernel's result for a row does not
     depend on the other rows. The packed copy sits beside the plain weight (checkpoints and
-    tied embeddings use that one).
+    tied embeddings use that one). `prepare("cpu")` picks these kernels once; on any other
+    backend the layer is `F.linear`.
 
     `use_compact_copy("bf16" | "int8")` makes every fp32 CPU call, whatever the row count,
     multiply by a smaller copy of the weight: bf16 through the skinny kernel (half the bytes),
@@ -68,10 +71,11 @@ class DenseLinear(LinearBase):
         self.int8_weight: PackedInt8 | None = None
         self.int8_kernel: Callable | None = None
 
-    def prepare(self) -> None:
+    def prepare(self, kernels: str = "reference") -> None:
         """Once the weights are loaded: pick the fp32 CPU kernels this layer can use."""
         w = self.weight
-        if w.device.type != "cpu" or w.dtype != torch.float32:
+        self.skinny, self.onednn_weight = None, None
+        if kernels != "cpu" or w.device.type != "cpu" or w.dtype != torch.float32:
             return
         if w.is_contiguous():
             self.skinny = skinny_linear_kernel()
@@ -106,21 +110,16 @@ class DenseLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
-        if (self.bf16_weight is not None or self.int8_weight is not None) and x.dtype is torch.float32 \
-                and x.device.type == "cpu":
-            flat = x.reshape(rows, self.in_features).contiguous()
-            if self.int8_weight is not None:
-                q = self.int8_weight
-                out = self.int8_kernel(flat, q.codes, q.scales, q.out_features)
-                out = out if self.bias is None else out + self.bias
-            else:
-                out = self.skinny(flat, self.bf16_weight, self.bias)
+        if self.int8_weight is not None:
+            q = self.int8_weight
+            out = self.int8_kernel(x.reshape(rows, self.in_features).contiguous(), q.codes, q.scales, q.out_features)
+            out = out if self.bias is None else out + self.bias
             return out.view(*x.shape[:-1], self.out_features)
-        w = self.weight
-        # re-checked per call (cheap): weights may have been moved, cast or replaced since prepare()
-        if (self.skinny is not None and rows <= SKINNY_MAX_ROWS and x.dtype is torch.float32 and x.device.type == "cpu"
-                and w.dtype is torch.float32 and w.device.type == "cpu" and w.is_contiguous()):
-            out = self.skinny(x.reshape(rows, self.in_features).contiguous(), w, self.bias)
+        if self.bf16_weight is not None:
+            out = self.skinny(x.reshape(rows, self.in_features).contiguous(), self.bf16_weight, self.bias)
+            return out.view(*x.shape[:-1], self.out_features)
+        if self.skinny is not None and rows <= SKINNY_MAX_ROWS:
+            out = self.skinny(x.reshape(rows, self.in_features).contiguous(), self.weight, self.bias)
             return out.view(*x.shape[:-1], self.out_features)
         if self.onednn_weight is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.onednn_weight, self.bias, "none", [], "")
@@ -128,4 +127,7 @@ class DenseLinear(LinearBase):
 
 
 def make_linear(in_features: int, out_features: int, bias: bool = False) -> LinearBase:
+    """The decoder's projection as the model is built: a `DenseLinear`. AWQ / GPTQ projections
+    replace it at load with the int4 layer of the model's kernel backend
+    (`llmopt.model.int4_linear.make_int4_linear`)."""
     return DenseLinear(in_features, out_features, bias)

@@ -11,13 +11,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from llmopt.kernels.cpu_fused import use_fused
 from llmopt.model.attention import AttentionBackend
 from llmopt.model.linear import make_linear
-from llmopt.model.rope import RotaryEmbedding, apply_rotary
+from llmopt.model.ops import REFERENCE_OPS, DecoderOps
+from llmopt.model.rope import RotaryEmbedding
 
 if TYPE_CHECKING:  # the core imports the model; the model needs the config only for hints
     from llmopt.core.config import ModelConfig
@@ -43,26 +42,14 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
         self.eps = eps
+        self.ops: DecoderOps = REFERENCE_OPS
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """norm(x); or, given the residual stream, (norm(residual + x), residual + x) as vLLM's
-        fused add-RMSNorm. fp32 on CPU runs the C++ fused op (`llmopt.kernels.cpu_fused`)."""
-        ops = use_fused(x) if x.dim() == 2 and self.weight.dtype is torch.float32 else None
-        if ops is not None:
-            if residual is None:
-                return ops.rms_norm(x.contiguous(), self.weight, self.eps)
-            return tuple(ops.add_rms_norm(x.contiguous(), residual.contiguous(), self.weight, self.eps))
+        fused add-RMSNorm."""
         if residual is None:
-            return self._norm(x)
-        summed = residual + x
-        return self._norm(summed), summed
-
-    def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        # normalise in fp32 like the reference implementation, then cast back
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+            return self.ops.rms_norm(x, self.weight, self.eps)
+        return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -78,6 +65,7 @@ class Attention(nn.Module):
         # q, k and v in one matmul (checkpoints' q_proj/k_proj/v_proj are stacked at load)
         self.qkv_proj = make_linear(hidden, q_size + 2 * kv_size, config.attention_bias)
         self.o_proj = make_linear(q_size, hidden, config.o_proj_bias)
+        self.ops: DecoderOps = REFERENCE_OPS
 
     def forward(self, x, cos, sin, attn: AttentionBackend) -> torch.Tensor:
         n = x.shape[0]
@@ -85,11 +73,7 @@ class Attention(nn.Module):
         q = q.view(n, self.num_heads, self.head_dim)
         k = k.view(n, self.num_kv_heads, self.head_dim)
         v = v.view(n, self.num_kv_heads, self.head_dim)
-        ops = use_fused(q)
-        if ops is not None and cos.is_contiguous() and sin.is_contiguous():
-            ops.rotary_embedding_(q, k, cos, sin)  # in place: q and k are views of the fresh qkv output
-        else:
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k = self.ops.rotary(q, k, cos, sin)
         out = attn.forward(self.layer_idx, q, k, v, self.sliding_window)
         return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
 
@@ -102,14 +86,10 @@ class MLP(nn.Module):
         # gate and up in one matmul (stacked at load from gate_proj/up_proj)
         self.gate_up_proj = make_linear(h, 2 * i, bias)
         self.down_proj = make_linear(i, h, bias)
+        self.ops: DecoderOps = REFERENCE_OPS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        ops = use_fused(gate_up) if gate_up.dim() == 2 else None
-        if ops is not None:
-            return self.down_proj(ops.silu_and_mul(gate_up.contiguous()))
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -154,9 +134,17 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.model = LlamaModel(config)
         self.lm_head = make_linear(config.hidden_size, config.vocab_size, bias=False)
+        self.ops: DecoderOps = REFERENCE_OPS
 
     def tie_weights(self) -> None:
         self.lm_head.weight = self.model.embed_tokens.weight
+
+    def use_ops(self, ops: DecoderOps) -> None:
+        """Run the small per-layer ops as `ops` (chosen once at load: `llmopt.model.ops`)."""
+        self.ops = ops
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, Attention, MLP)):
+                module.ops = ops
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from llmopt.errors import LlmoptError
-from llmopt.quant.threads import one_thread
+from llmopt.core.threads import one_thread
 from llmopt.quant.quantizer import QuantizedWeight, QuantScheme, grid_params, quantize_codes
 
 log = logging.getLogger("llmopt")

@@ -27,10 +27,10 @@ from llmopt.core.convert import write_hf_folder
 from llmopt.errors import LlmoptError
 from llmopt.model.llama import STACKED_PROJECTIONS
 from llmopt.quant.calibration import load_calibration
-from llmopt.quant.formats import pack_tensors, quantization_config
+from llmopt.core.quant_formats import pack_tensors, quantization_config
 from llmopt.quant.layerwise import MethodOptions, QuantizedSite, part_rows, quantize_layers
 from llmopt.quant.quantizer import QuantScheme
-from llmopt.quant.threads import one_thread
+from llmopt.core.threads import one_thread
 
 log = logging.getLogger("llmopt")
 

@@ -10,12 +10,17 @@ import torch
 from llmopt.errors import LlmoptError
 from llmopt.runtime.speculative import SpeculativeConfig
 
-# `--kv-cache-dtype` values (vLLM's flag; its fp8 variants are not implemented here)
+# `--kv-cache-dtype` values (vLLM's flag). fp8 is e4m3 (vLLM's "fp8" / "fp8_e4m3") with a per-layer
+# scale of 1.0, vLLM's default where a checkpoint carries no calibrated scales: e4m3 spans +-448, far
+# beyond the K/V values of the models served here, and its relative precision does not depend on the
+# scale. On the Triton backend the kernels read it in place; elsewhere the PyTorch path widens it.
 KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {
     "auto": None,  # the model's dtype
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
     "float32": torch.float32,
+    "fp8": torch.float8_e4m3fn,
+    "fp8_e4m3": torch.float8_e4m3fn,
 }
 
 

@@ -165,12 +165,14 @@ class LLMEngine(EngineFrontend):
         self.num_scoring = 0
         self.num_constrained = 0
         tokens = num_blocks * config.block_size
+        gain = loaded.dtype.itemsize / self.kv_cache_dtype.itemsize
         logger.info(
-            "KV cache: %d blocks of %d tokens = %d tokens (%.2f GiB, %s); maximum concurrency at %d tokens per "
+            "KV cache: %d blocks of %d tokens = %d tokens (%.2f GiB, %s%s); maximum concurrency at %d tokens per "
             "request: %.2fx",
             num_blocks, config.block_size, tokens, self.kv_cache_bytes / 2**30,
-            str(self.kv_cache_dtype).removeprefix("torch."), self.max_model_len,
-            tokens / self.max_model_len,
+            str(self.kv_cache_dtype).removeprefix("torch."),
+            f": {gain:g}x the tokens of a {str(loaded.dtype).removeprefix('torch.')} cache" if gain > 1 else "",
+            self.max_model_len, tokens / self.max_model_len,
         )
 
     def _load_draft(self, spec) -> LoadedModel:
