@@ -33,7 +33,7 @@ from llmopt.bench.loadgen import Endpoint, run_load, send_offsets
 from llmopt.bench.results import results_document, write_results
 from llmopt.bench.serve import ServeBenchConfig, parse_sweep, run_serve_bench
 from llmopt.core import load_tokenizer
-from llmopt.bench.serve_metrics import RequestResult, compute_metrics, parse_goodput, parse_percentiles
+from llmopt.bench.serve_metrics import LATE_SEND_S, RequestResult, compute_metrics, parse_goodput, parse_percentiles
 from llmopt.errors import LlmoptError
 from conftest import assert_usage_error, run_cli
 
@@ -275,7 +275,11 @@ def test_request_rate_counts_from_the_scheduled_time():
     ttfts = sorted(r.ttft * 1e3 for r in load.results)
     for k, ttft in enumerate(ttfts):  # request k waits for k earlier ones (50 ms each), minus its own offset
         assert late_ok(ttft, 50 * k + 40 - offsets[k] * 1e3, late=LATE_MS * (k + 1)), (k, ttft)
-    assert m["late_sends"] == 3
+    # the 3 requests queued behind a 50 ms one go out late; the first one only by the machine's own
+    # delay, which a loaded CI machine may push past the 10 ms "late" mark, so it is not counted on
+    lags = sorted(r.send_lag for r in load.results)
+    assert all(lag > LATE_SEND_S for lag in lags[1:]), lags
+    assert m["late_sends"] == sum(lag > LATE_SEND_S for lag in lags) >= 3
     assert late_ok(m["max_send_lag_ms"], 150 - offsets[3] * 1e3, late=LATE_MS * 3)
 
 

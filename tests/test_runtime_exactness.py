@@ -131,14 +131,21 @@ def test_default_model_16_prompts(llmopt_cache):
 
 @pytest.mark.integration
 def test_default_model_int4_batched_equals_one_at_a_time(llmopt_cache, tmp_path_factory):
-    """An int4 (RTN, group 64) checkpoint of the default model on the CPU int4 kernel: every
-    engine configuration gives the tokens of one-request-at-a-time decoding (the kernel's rows
-    do not depend on the batch, and prompt chunks and decode steps share its arithmetic) up to
-    the first near tie. Chunked prefill and cached prefixes change the attention's float
-    rounding (as for fp32); with int8 activations such a change can move a value across a
-    rounding step, which reaches the logits at the 1e-2 level, so a position where the
-    reference's top-2 log-probability gap is below NEAR_TIE may flip (measured: one flip, at a
-    gap below 0.1, in 16 prompts x 16 tokens). Tokens before it must match exactly."""
+    """An int4 (RTN, group 64) checkpoint of the default model on the CPU int4 kernel against
+    one-request-at-a-time decoding.
+
+    Batching alone changes nothing: the kernel's rows do not depend on the batch, and prompt
+    chunks and decode steps share its arithmetic, so with the default block size the tokens are
+    those of one-at-a-time decoding up to the reference's first near tie (measured: bitwise
+    equal log-probabilities). Chunk boundaries and small blocks (the chunked and preemption
+    configurations) change the attention's float rounding (as for fp32), and int8 activations
+    turn such a change into noise: one rounding step moved changes later layers' inputs by
+    ~1e-3, which moves many more roundings. Measured on a 2-core AMD EPYC: chosen-token
+    log-probabilities on agreeing positions differ by 0.01-0.02 on average, 0.3 at most, and
+    tokens flipped where the reference's top-2 gap was up to 0.51 (an Intel machine had shown
+    one flip below 0.1). So there the distributions are compared: mean difference below 0.05,
+    none above 1.0, flips only where the reference's gap is below 1.0, and at least half of
+    all tokens agreeing before the first flip. A wrong K/V slot or position breaks every one."""
     from llmopt.model.int4_linear import CpuInt4Linear
     from llmopt.quant.quantize import QuantizeRequest, quantize
 
@@ -151,17 +158,31 @@ def test_default_model_int4_batched_equals_one_at_a_time(llmopt_cache, tmp_path_
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=2)
     alone_llm = LLM(loaded, max_num_seqs=1, enable_prefix_caching=False, num_kv_blocks=512)
     alone = [alone_llm.generate([p], params)[0].outputs[0] for p in prompts]
-    expected = [o.token_ids for o in alone]
 
-    def decisive_prefix(i: int) -> int:  # tokens before the reference's first near tie
-        gaps = [sorted(lp.values(), reverse=True) for lp in alone[i].logprobs]
-        return next((j for j, g in enumerate(gaps) if g[0] - g[1] < NEAR_TIE), len(gaps))
+    def gap(lp: dict[int, float]) -> float:
+        top = sorted(lp.values(), reverse=True)
+        return top[0] - top[1]
 
-    assert sum(decisive_prefix(i) for i in range(len(prompts))) >= 8 * len(prompts)  # not empty (measured: 169 of 256)
+    def decisive_prefix(ref) -> int:  # tokens before the reference's first near tie
+        return next((j for j, lp in enumerate(ref.logprobs) if gap(lp) < NEAR_TIE), len(ref.logprobs))
+
+    assert sum(decisive_prefix(ref) for ref in alone) >= 8 * len(prompts)  # not empty (measured: 164 of 256)
     for name, config in default_model_configs().items():
-        together, engine = runtime_greedy(loaded, prompts, 16, max_num_seqs=16, **config)
-        for i, (got, want) in enumerate(zip(together, expected)):
-            n = decisive_prefix(i)
-            assert got[:n] == want[:n], (name, i, n, got, want)
+        llm = LLM(loaded, max_num_seqs=16, **config)
+        together = [o.outputs[0] for o in llm.generate(prompts, params)]
+        if name in ("defaults", "no-prefix-caching"):
+            for i, (got, ref) in enumerate(zip(together, alone)):
+                n = decisive_prefix(ref)
+                assert got.token_ids[:n] == ref.token_ids[:n], (name, i, n, got.token_ids, ref.token_ids)
+            continue
+        deltas, flip_gaps = [], []
+        for got, ref in zip(together, alone):
+            j = next((j for j, (a, b) in enumerate(zip(got.token_ids, ref.token_ids)) if a != b), len(ref.token_ids))
+            deltas += [abs(got.logprobs[k][t] - ref.logprobs[k][t]) for k, t in enumerate(ref.token_ids[:j])]
+            if j < len(ref.token_ids):
+                flip_gaps.append(gap(ref.logprobs[j]))
+        assert len(deltas) >= 8 * len(prompts), (name, len(deltas))
+        assert sum(deltas) / len(deltas) < 0.05 and max(deltas) < 1.0, (name, sum(deltas) / len(deltas), max(deltas))
+        assert all(g < 1.0 for g in flip_gaps), (name, flip_gaps)
         if name == "preemption":
-            assert engine.stats().num_preemptions > 0
+            assert llm.engine.stats().num_preemptions > 0
