@@ -21,7 +21,9 @@ OUT=${OUT:-gpu-results}
 mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
 DEADLINE=$((SECONDS + ${BUDGET_S:-440}))  # 8 min of device time, less the machine's start and the transfers
 SITE=${SITE:-/tmp/llmopt-site} SRC=${SRC:-/tmp/llmopt-src}  # overridable for a smoke run here
-export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false LLMOPT_CACHE=/tmp/llmopt-cache
+# LLMOPT_CPU_KERNELS=0: the CPU-side steps of the tests (quantizing a tiny model, CPU references) take
+# the PyTorch paths instead of spending a minute of device time compiling llmopt's C++ kernels
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false LLMOPT_CACHE=/tmp/llmopt-cache LLMOPT_CPU_KERNELS=0
 
 # step NAME MAX_SECONDS COMMAND...: run with a timeout (never past the deadline), output to $OUT/NAME.txt
 step() {
