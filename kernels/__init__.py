@@ -8,7 +8,8 @@ kernels in C++ (`csrc/`, built by `cpu_extension.py`): decode attention
 fused RMSNorm / rope / silu*up (`cpu_fused.py`); for CUDA, in Triton: the int4
 dequant-matmul for AWQ / GPTQ weights (`triton_int4.py`, kernels in `triton_int4_kernels.py`)
 and paged attention (`triton_paged_attention.py`: write_kv in `triton_write_kv.py`, split-KV
-decode in `triton_paged_decode.py`, varlen chunked prefill in `triton_paged_prefill.py`;
+decode in `triton_paged_decode.py`, varlen chunked prefill in `triton_paged_prefill.py`, the
+K/V-tile steps both share in `triton_attention_tiles.py`;
 fp16/bf16 or fp8-e4m3-with-scale pools). Importing a Triton kernel file imports triton, so
 nothing here imports one implicitly.
 """

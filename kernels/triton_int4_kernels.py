@@ -50,6 +50,14 @@ def _dequant_tile(qw_ptr, s_ptr, z_ptr, k0, offs_k, k_mask, offs_n, n_mask, N, g
 
 
 @triton.jit
+def _input_columns(perm_ptr, offs_k, k_mask, HAS_PERM: tl.constexpr):
+    """The columns of x that packed rows offs_k multiply: act-order weights read x through `perm`."""
+    if HAS_PERM:
+        return tl.load(perm_ptr + offs_k, mask=k_mask, other=0)
+    return offs_k
+
+
+@triton.jit
 def _gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, bias_ptr, out_ptr, N, K, group_size,
                  stride_xm, stride_xk, stride_os, stride_om,
                  HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr, ONE_GROUP: tl.constexpr,
@@ -65,10 +73,7 @@ def _gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, bias_ptr, out_ptr, N, K,
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < K
         w = _dequant_tile(qw_ptr, s_ptr, z_ptr, k0, offs_k, k_mask, offs_n, n_mask, N, group_size, ONE_GROUP)
-        if HAS_PERM:
-            cols = tl.load(perm_ptr + offs_k, mask=k_mask, other=0)
-        else:
-            cols = offs_k
+        cols = _input_columns(perm_ptr, offs_k, k_mask, HAS_PERM)
         xk = tl.load(x_ptr + m * stride_xm + cols * stride_xk, mask=k_mask, other=0.0).to(tl.float32)
         acc += tl.sum(xk[:, None] * w, axis=0)
     if HAS_BIAS:
@@ -97,10 +102,7 @@ def _gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, bias_ptr, out_ptr, M, N,
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < K
         w = _dequant_tile(qw_ptr, s_ptr, z_ptr, k0, offs_k, k_mask, offs_n, n_mask, N, group_size, ONE_GROUP)
-        if HAS_PERM:
-            cols = tl.load(perm_ptr + offs_k, mask=k_mask, other=0)
-        else:
-            cols = offs_k
+        cols = _input_columns(perm_ptr, offs_k, k_mask, HAS_PERM)
         xt = tl.load(x_ptr + offs_m[:, None] * stride_xm + cols[None, :] * stride_xk,
                      mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         acc = tl.dot(xt, w.to(xt.dtype), acc, input_precision=INPUT_PRECISION)
@@ -119,10 +121,7 @@ def _dequant_kernel(qw_ptr, s_ptr, z_ptr, perm_ptr, out_ptr, N, K, group_size,
     k_mask = offs_k < K
     n_mask = offs_n < N
     w = _dequant_tile(qw_ptr, s_ptr, z_ptr, k0, offs_k, k_mask, offs_n, n_mask, N, group_size, ONE_GROUP)
-    if HAS_PERM:  # sorted column k is x's column perm[k]: write it back to that row of W^T
-        rows = tl.load(perm_ptr + offs_k, mask=k_mask, other=0)
-    else:
-        rows = offs_k
+    rows = _input_columns(perm_ptr, offs_k, k_mask, HAS_PERM)  # sorted column k is x's column perm[k]: W^T's row
     tl.store(out_ptr + rows[:, None] * N + offs_n[None, :], w.to(out_ptr.dtype.element_ty),
              mask=k_mask[:, None] & n_mask[None, :])
 

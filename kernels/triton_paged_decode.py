@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from llmopt.kernels.triton_attention_tiles import kv_slots, load_kv, pv_product, qk_scores
+
 # Below this many keys per split, the merge pass and the partial-output traffic cost more
 # than the extra parallelism buys.
 MIN_KEYS_PER_SPLIT = 256
@@ -103,32 +105,16 @@ def _decode_split_kernel(
     for tile in range(start, end, BLOCK_N):
         pos = tile + tl.arange(0, BLOCK_N)
         key_ok = pos < end
-        # each key's slot through the block table: blocks need not be contiguous
-        block = tl.load(tables_ptr + seq * stride_tb + pos // BLOCK_SIZE, mask=key_ok, other=0)
-        slot = block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
+        slot = kv_slots(tables_ptr, seq, stride_tb, pos, key_ok, BLOCK_SIZE)
         kv_mask = key_ok[:, None] & dim_ok[None, :]
-        k = tl.load(k_ptr + slot[:, None] * stride_ks + kv_head * stride_kh + dims[None, :],
-                    mask=kv_mask, other=0.0)
-        if k_ptr.dtype.element_ty == tl.float8e4nv:  # dequantise in fp32, then to the query dtype
-            k = k.to(tl.float32) * k_scale
-        k = k.to(q.dtype)
-        if FP32_DOT:
-            scores = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            scores = tl.dot(q, tl.trans(k))
+        k = load_kv(k_ptr, slot, kv_head, stride_ks, stride_kh, dims, kv_mask, k_scale, q)
+        scores = qk_scores(q, k, FP32_DOT)
         scores = tl.where(key_ok[None, :], scores * scale_log2, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, 1))
         p = tl.exp2(scores - m_new[:, None])
         alpha = tl.exp2(m - m_new)  # m = -inf on the first tile: alpha = 0, acc is 0 anyway
-        v = tl.load(v_ptr + slot[:, None] * stride_vs + kv_head * stride_vh + dims[None, :],
-                    mask=kv_mask, other=0.0)
-        if v_ptr.dtype.element_ty == tl.float8e4nv:
-            v = v.to(tl.float32) * v_scale
-        v = v.to(q.dtype)
-        if FP32_DOT:
-            pv = tl.dot(p, v, input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
+        v = load_kv(v_ptr, slot, kv_head, stride_vs, stride_vh, dims, kv_mask, v_scale, q)
+        pv = pv_product(p, v, FP32_DOT)
         acc = acc * alpha[:, None] + pv
         s = s * alpha + tl.sum(p, 1)
         m = m_new
