@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from conftest import assert_usage_error
-from llmopt.cli.engine_args import EngineArgs
+from llmopt.runtime.engine_args import EngineArgs
 from llmopt.core import load
 from llmopt.runtime import LLM, AsyncLLM, EngineConfig, LLMEngine
 

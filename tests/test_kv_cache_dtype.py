@@ -184,12 +184,10 @@ def test_cli_bad_kv_cache_dtype_exits_2(command):
 
 
 def test_vllm_gets_the_flag_when_set(monkeypatch):
-    from llmopt.cli import serve
+    from llmopt.runtime.engine_args import EngineArgs
+    from llmopt.serve import launch
 
-    from llmopt.cli.engine_args import EngineArgs
-
-    monkeypatch.setattr(serve.shutil, "which", lambda name: "/usr/bin/vllm")
-    args = ("m", "127.0.0.1", 8000, None, None)
-    assert "--kv-cache-dtype" not in serve.vllm_command(*args, EngineArgs(max_num_seqs=8))
-    argv = serve.vllm_command(*args, EngineArgs(max_num_seqs=8, kv_cache_dtype="fp8"))
+    monkeypatch.setattr(launch.shutil, "which", lambda name: "/usr/bin/vllm")
+    assert "--kv-cache-dtype" not in launch.vllm_command(launch.ServeArgs("m", engine=EngineArgs(max_num_seqs=8)))
+    argv = launch.vllm_command(launch.ServeArgs("m", engine=EngineArgs(max_num_seqs=8, kv_cache_dtype="fp8")))
     assert argv[argv.index("--kv-cache-dtype") + 1] == "fp8"

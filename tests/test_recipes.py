@@ -50,12 +50,12 @@ def test_ready_recipes_exist():
 
 @pytest.mark.parametrize("path", READY, ids=lambda p: p.name)
 def test_every_ready_recipe_validates_and_its_commands_parse(path, tmp_path):
-    from llmopt.cli.run import render
+    from llmopt.workflow.command_line import render
     from llmopt.workflow.runner import prepare
 
     recipe = load_recipe(path)
     assert recipe.model is not None and recipe.name == path.stem
-    stages = prepare(recipe, tmp_path / "run", render)  # every stage's library checks
+    stages = prepare(recipe, tmp_path / "run")  # every stage's library checks
     assert stages[-1].name == "serve"
     for stage in stages:
         _parses(render(stage.invocation))
@@ -101,18 +101,43 @@ def test_quantize_choices_match_the_quantizer():
 
 
 def test_schema_keys_are_flags_of_their_commands():
-    """Each section's keys are its command's flags: a renamed flag fails here, not in a user's run."""
-    from llmopt.cli.run import _click_command, _option_for
-    from llmopt.recipes import schema
+    """Each section's keys are its command's flags (both derived from one request declaration): a key
+    with no flag, or a flag the command lost, fails here, not in a user's run."""
+    import typer
+    from pydantic import BaseModel
 
-    sections = {("quantize",): schema.QuantizeSection, ("eval",): schema.EvalSection,
-                ("bench", "throughput"): schema.ThroughputPlan, ("bench", "latency"): schema.LatencyPlan,
-                ("bench", "serve"): schema.ServeBenchPlan, ("serve",): schema.ServeSection}
-    renamed = {"calibration", "output", "gates", "mmlu_limit", "humaneval_limit", "top_p"}  # not 1:1 flags
-    for words, section in sections.items():
-        command = _click_command(words)
-        for key in set(section.model_fields) - renamed:
-            _option_for(command, key)
+    from llmopt.bench.latency import LatencyRequest
+    from llmopt.bench.serve_args import BenchServeArgs
+    from llmopt.bench.throughput import ThroughputRequest
+    from llmopt.cli.main import app
+    from llmopt.eval.args import EvalArgs
+    from llmopt.options import declared
+    from llmopt.quant.quantize import QuantizeRequest
+    from llmopt.recipes import schema
+    from llmopt.serve.launch import ServeArgs
+
+    sections = {("quantize",): (schema.QuantizeSection, QuantizeRequest), ("eval",): (schema.EvalSection, EvalArgs),
+                ("bench", "throughput"): (schema.ThroughputPlan, ThroughputRequest),
+                ("bench", "latency"): (schema.LatencyPlan, LatencyRequest),
+                ("bench", "serve"): (schema.ServeBenchPlan, BenchServeArgs), ("serve",): (schema.ServeSection, ServeArgs)}
+    for words, (section, request) in sections.items():
+        command = typer.main.get_command(app)
+        for word in words:
+            command = command.commands[word]
+        flags = {opt for param in command.params for opt in [*param.opts, *param.secondary_opts]}
+        by_key = {d.recipe_key: d for d in declared(request) if d.recipe_key}
+        keys = []
+        for key, info in section.model_fields.items():
+            inner = info.annotation
+            if isinstance(inner, type) and issubclass(inner, BaseModel):
+                keys += [f"{key}.{k}" for k in inner.model_fields]
+            elif not (words == ("quantize",) and key == "output"):  # the checkpoint's name in the run folder
+                keys.append(key)
+        for key in keys:
+            assert key in by_key, (words, key)
+            d = by_key[key]
+            if d.flag.cli:
+                assert set(d.cli_names[0].split("/")) <= flags, (words, key, d.cli_names)
 
 
 # ---------------------------------------------------------------------------- bad recipes
@@ -245,11 +270,10 @@ def test_stage_config_is_plain_data():
     """The stamp hashes each stage's config as JSON: it must hold plain data only."""
     import json
 
-    from llmopt.cli.run import render
     from llmopt.workflow.stages import plan_stages
 
     for path in READY:
-        for stage in plan_stages(load_recipe(path), Path("/tmp/x"), render):
+        for stage in plan_stages(load_recipe(path), Path("/tmp/x")):
             json.dumps(stage.config)
             assert not any(dataclasses.is_dataclass(v) for v in stage.config.values())
 
@@ -272,9 +296,8 @@ def test_wheel_ships_the_recipe_packages_and_default_gates(tmp_path):
 
 def test_recipe_engine_keys_are_the_engine_flags():
     """A recipe's engine keys are exactly the commands' engine flags (one EngineArgs builds both)."""
-    from dataclasses import fields
-
+    from llmopt.options import declared
     from llmopt.recipes.schema import ENGINE_FLAGS
     from llmopt.runtime.engine_args import EngineArgs
 
-    assert sorted(ENGINE_FLAGS) == sorted(f.name for f in fields(EngineArgs))
+    assert sorted(ENGINE_FLAGS) == sorted(d.name for d in declared(EngineArgs))

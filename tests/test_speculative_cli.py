@@ -12,7 +12,7 @@ import pytest
 from conftest import assert_usage_error, run_cli, write_tiny_model
 from test_engine_args import COMMANDS
 
-from llmopt.cli.engine_args import EngineArgs
+from llmopt.runtime.engine_args import EngineArgs
 from llmopt.core import load
 from llmopt.runtime import LLM, SamplingParams
 
@@ -44,11 +44,11 @@ def test_flags_build_vllms_speculative_config():
 
 
 def test_vllm_gets_its_speculative_config(monkeypatch):
-    from llmopt.cli import serve
+    from llmopt.serve import launch
 
-    monkeypatch.setattr(serve.shutil, "which", lambda name: "/usr/bin/vllm")
-    argv = serve.vllm_command("m", "127.0.0.1", 8000, None, None,
-                              EngineArgs(speculative_method="ngram", num_speculative_tokens=5))
+    monkeypatch.setattr(launch.shutil, "which", lambda name: "/usr/bin/vllm")
+    argv = launch.vllm_command(launch.ServeArgs("m", engine=EngineArgs(speculative_method="ngram",
+                                                                       num_speculative_tokens=5)))
     assert json.loads(argv[argv.index("--speculative-config") + 1]) == {"method": "ngram",
                                                                        "num_speculative_tokens": 5}
 

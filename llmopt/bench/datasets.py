@@ -26,8 +26,22 @@ from pathlib import Path
 from typing import Any
 
 from llmopt.errors import LlmoptError
+from llmopt.options import option
 
 DATASETS = ("chat", "prefix-shared", "random")
+
+
+@dataclass
+class WorkloadArgs:
+    """The workload options `bench throughput` and `bench serve` share (`make_workload`'s arguments)."""
+
+    dataset: str = option("chat", "chat, prefix-shared, random, or a ShareGPT .json / .jsonl file.")
+    num_prompts: int = option(32, "Requests in the workload.", ge=1)
+    input_len: int = option(128, "Prompt tokens (random dataset).", ge=1)
+    output_len: int = option(128, "Output tokens per request (EOS ignored); 0: a file's own.", ge=0)
+    range_ratio: float = option(0.5, "Lengths uniform in L x [1 - r, 1 + r].", ge=0, lt=1)
+    prefix_len: int = option(1000, "Shared system prompt tokens (prefix-shared dataset).", ge=0)
+    seed: int = option(0, "Workload seed: the same seed, the same requests.", ge=0)
 
 
 @dataclass

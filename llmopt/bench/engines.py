@@ -24,12 +24,21 @@ import time
 import traceback
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Optional, TypeVar
 
 from llmopt.bench.datasets import BenchRequest
+from llmopt.options import option
 
 T = TypeVar("T")
 ENGINES = ("hf", "hf-batch", "llmopt", "llama.cpp", "vllm")
+
+
+@dataclass
+class PeerArgs:
+    """Options of the peer engines a bench runs beside llmopt's."""
+
+    gguf: Optional[str] = option(None, "llama.cpp: the GGUF file (default: the model's own).")
+    threads: Optional[int] = option(None, "CPU threads per engine (default: torch's).", ge=1)
 
 
 @dataclass

@@ -18,16 +18,20 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable
 
 from llmopt.bench.datasets import make_workload
-from llmopt.bench.engines import EngineOptions, check_options, gguf_file, isolated
+from llmopt.bench.engines import EngineOptions, PeerArgs, check_options, gguf_file, isolated
 from llmopt.bench.environment import collect_metadata
 from llmopt.bench.results import results_document
 from llmopt.errors import LlmoptError
+from llmopt.options import group, option
+from llmopt.runtime.engine_args import EngineArgs
 
 LATENCY_ENGINES = ("llmopt", "llama.cpp")
+# engine flags bench latency sets itself: room for the largest batch, fresh prompts, no length limit
+LATENCY_FIXED_ENGINE_FLAGS = ("max_num_seqs", "max_model_len", "enable_prefix_caching")
 
 
 @dataclass
@@ -44,6 +48,37 @@ class LatencyConfig:
 
 
 @dataclass
+class LatencyRequest:
+    """`llmopt bench latency`'s options (a recipe's `bench.latency` plan)."""
+
+    model: str = option("default", "'default', a model folder (AWQ/GPTQ too), a .gguf file or a hub id",
+                        argument=True, recipe=None)
+    engines: list[str] = option(help="llmopt and/or llama.cpp (batch 1).", comma=True,
+                                default_factory=lambda: ["llmopt"])
+    batch_size: list[int] = option(help="Comma-separated batch sizes, e.g. 1,8,32.", comma=True,
+                                   default_factory=lambda: [1])
+    input_len: int = option(128, "Prompt tokens per sequence.", ge=1)
+    output_len: int = option(128, "Tokens generated per sequence (EOS ignored).", ge=1)
+    num_iters_warmup: int = option(1, "Untimed iterations first.", ge=0)
+    num_iters: int = option(3, "Timed iterations (the median is reported).", ge=1)
+    seed: int = option(0, "Seed of the random prompts.", ge=0)
+    peers: PeerArgs = group(PeerArgs)
+    # the batch sizes set max_num_seqs; every sequence is input_len + output_len long, none shares a prefix
+    engine: EngineArgs = group(EngineArgs, exclude=LATENCY_FIXED_ENGINE_FLAGS)
+
+    def config(self) -> LatencyConfig:
+        """The run's configuration; LlmoptError (exit 2) for a bad value."""
+        e = self.engine
+        engine = replace(e.engine_config(), max_num_seqs=max(self.batch_size, default=1), enable_prefix_caching=False)
+        options = EngineOptions(dtype=e.dtype, device=e.device, engine_config=asdict(engine),
+                                gguf=self.peers.gguf, threads=self.peers.threads)
+        return LatencyConfig(model=self.model, engines=list(self.engines), batch_sizes=list(self.batch_size),
+                             input_len=self.input_len, output_len=self.output_len,
+                             num_iters_warmup=self.num_iters_warmup, num_iters=self.num_iters, seed=self.seed,
+                             options=options)
+
+
+@dataclass
 class Iteration:
     prefill_s: float
     decode_step_s: float
@@ -54,7 +89,7 @@ def run_latency(config: LatencyConfig, progress: Callable[[str], None] | None = 
     """Measure every (engine, batch size) of `config`; the results document (kind "latency")."""
     from llmopt.bench.roofline import measure_read_bandwidth
 
-    _check(config)
+    check_config(config)
     if progress:
         progress("measuring memory bandwidth")
     bandwidth = measure_read_bandwidth(config.options.device)
@@ -69,7 +104,8 @@ def run_latency(config: LatencyConfig, progress: Callable[[str], None] | None = 
     return results_document("latency", collect_metadata(), config_dict, runs)
 
 
-def _check(config: LatencyConfig) -> None:
+def check_config(config: LatencyConfig) -> None:
+    """Refuse a configuration before anything runs (LlmoptError)."""
     check_options(config.options)
     unknown = [e for e in config.engines if e not in LATENCY_ENGINES]
     if unknown:

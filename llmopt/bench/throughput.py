@@ -12,12 +12,14 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
-from llmopt.bench.datasets import BenchRequest, make_workload
-from llmopt.bench.engines import ENGINES, EngineOptions, EngineResult, check_options, run_isolated
+from llmopt.bench.datasets import BenchRequest, WorkloadArgs, make_workload
+from llmopt.bench.engines import ENGINES, EngineOptions, EngineResult, PeerArgs, check_options, run_isolated
 from llmopt.bench.environment import collect_metadata
 from llmopt.bench.results import results_document
 from llmopt.core import load_tokenizer
 from llmopt.errors import LlmoptError
+from llmopt.options import group, option
+from llmopt.runtime.engine_args import EngineArgs
 
 
 @dataclass
@@ -34,14 +36,41 @@ class ThroughputConfig:
     options: EngineOptions = field(default_factory=EngineOptions)
 
 
-def parse_engines(text: str) -> list[str]:
-    engines = [e.strip() for e in text.split(",") if e.strip()]
+@dataclass
+class ThroughputRequest:
+    """`llmopt bench throughput`'s options (a recipe's `bench.throughput` plan)."""
+
+    model: str = option("default", "'default', a model folder (AWQ/GPTQ too), a .gguf file or a hub id",
+                        argument=True, recipe=None)
+    engines: list[str] = option(help="Comma-separated: hf, hf-batch, llmopt, llama.cpp, vllm.", comma=True,
+                                default_factory=lambda: ["llmopt"])
+    workload: WorkloadArgs = group(WorkloadArgs)
+    hf_batch_size: int = option(16, "hf-batch: requests per static batch.", ge=1)
+    hf_max_requests: int = option(8, "hf: time the first N requests (0: all).", ge=0)
+    peers: PeerArgs = group(PeerArgs)
+    engine: EngineArgs = group(EngineArgs)
+
+    def config(self) -> ThroughputConfig:
+        """The run's configuration; LlmoptError (exit 2) for a bad value."""
+        e, w = self.engine, self.workload
+        options = EngineOptions(dtype=e.dtype, device=e.device, engine_config=asdict(e.engine_config()),
+                                hf_batch_size=self.hf_batch_size, hf_max_requests=self.hf_max_requests or None,
+                                gguf=self.peers.gguf, threads=self.peers.threads)
+        return ThroughputConfig(model=self.model, engines=parse_engines(self.engines), dataset=w.dataset,
+                                num_prompts=w.num_prompts, input_len=w.input_len, output_len=w.output_len or None,
+                                range_ratio=w.range_ratio, prefix_len=w.prefix_len, seed=w.seed, options=options)
+
+
+def parse_engines(engines: list[str] | str) -> list[str]:
+    if isinstance(engines, str):
+        engines = [e.strip() for e in engines.split(",") if e.strip()]
     unknown = [e for e in engines if e not in ENGINES]
     if unknown or not engines:
-        raise LlmoptError(f"unknown engine {unknown[0] if unknown else text!r}; choose from {', '.join(ENGINES)}")
+        raise LlmoptError(f"unknown engine {unknown[0] if unknown else ','.join(engines)!r}; "
+                          f"choose from {', '.join(ENGINES)}")
     if len(set(engines)) != len(engines):
-        raise LlmoptError(f"an engine is listed twice in {text!r}")
-    return engines
+        raise LlmoptError(f"an engine is listed twice in {','.join(engines)!r}")
+    return list(engines)
 
 
 def run_throughput(config: ThroughputConfig,

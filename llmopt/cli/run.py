@@ -37,12 +37,13 @@ def run(
     from llmopt.bench.results import prepare_output_dir
     from llmopt.recipes import load_recipe
     from llmopt.workflow.report import write_commands
+    from llmopt.workflow.command_line import render
     from llmopt.workflow.runner import prepare, run_recipe
     from llmopt.workflow.stages import RECIPE_COPY, SERVE
 
     loaded = load_recipe(recipe, overrides)
     output = output if output is not None else Path("runs") / (loaded.name or recipe.stem)
-    stages = prepare(loaded, output, render)
+    stages = prepare(loaded, output)
     commands = [render(s.invocation) for s in stages]
     if dry_run:
         for stage, command in zip(stages, commands):
@@ -54,7 +55,7 @@ def run(
 
     observer = _ProgressObserver()
     with observer.progress:  # an error in a stage: one line (exit 2); results.json and report.md are written
-        result = run_recipe(loaded, str(recipe), output, stages, render, observer)
+        result = run_recipe(loaded, str(recipe), output, stages, observer)
     err_console.print(f"wrote {output}/: report.md, results.json, commands.sh ({result.seconds:.0f} s)",
                       highlight=False)
     if result.exit_code:
@@ -97,66 +98,3 @@ class _ProgressObserver:
         style = {"done": "green", "reused": "cyan", "gate failed": "bold red", "error": "bold red"}.get(outcome.status, "")
         took = f" in {outcome.seconds:.1f} s" if outcome.status == "done" else ""
         self.progress.console.print(f"[{style}]{stage.name}: {outcome.status}{took}[/{style}]", highlight=False)
-
-
-# ---------------------------------------------------------------------------- command lines
-
-
-def render(invocation) -> list[str]:
-    """`llmopt <command> ARGS --flag value ...`, each option written with the flag the command declares.
-
-    A recipe key is its command's flag without dashes (`group_size` -> `--group-size`; booleans pick
-    `--x`/`--no-x` or `--sym`/`--asym` as declared); a key the command does not take is a bug here,
-    not user input (the schema only admits keys that commands take).
-    """
-    command = _click_command(invocation.command)
-    argv = ["llmopt", *invocation.command, *invocation.arguments]
-    for key, value in invocation.options.items():
-        if value is None:
-            continue
-        option = _option_for(command, key)
-        if option.is_flag:
-            if value:
-                argv.append(_long(option.opts))
-            elif option.secondary_opts:
-                argv.append(option.secondary_opts[0])
-            continue
-        values = value if isinstance(value, list) else [value]
-        if option.multiple:
-            for v in values:
-                argv += [_long(option.opts), _text(v)]
-        else:
-            argv += [_long(option.opts), ",".join(_text(v) for v in values)]
-    return argv
-
-
-def _long(opts: list[str]) -> str:
-    return max(opts, key=len)  # --output, not -o
-
-
-def _text(value: Any) -> str:
-    if isinstance(value, float) and value.is_integer():
-        return str(int(value)) if abs(value) < 1e15 else str(value)
-    return str(value)
-
-
-def _click_command(words: tuple[str, ...]):
-    """The click command `llmopt WORDS...` (typer builds it from the app)."""
-    from llmopt.cli.main import app
-
-    command = typer.main.get_command(app)
-    for word in words:
-        command = command.commands[word]
-    return command
-
-
-def _option_for(command, key: str):
-    flag = "--" + key.replace("_", "-")
-    options = [p for p in command.params if p.param_type_name == "option"]  # typer ships its own click
-    for param in options:
-        if flag in param.opts or flag in param.secondary_opts:
-            return param
-    for param in options:
-        if param.name == key:
-            return param
-    raise LlmoptError(f"llmopt {command.name} has no option for recipe key {key!r}")

@@ -16,7 +16,7 @@ import resource
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -25,6 +25,7 @@ from llmopt.core import load, resolve
 from llmopt.core.atomic import atomic_file
 from llmopt.core.convert import write_hf_folder
 from llmopt.errors import LlmoptError
+from llmopt.options import option
 from llmopt.model.llama import STACKED_PROJECTIONS
 from llmopt.quant.calibration import load_calibration
 from llmopt.core.quant_formats import pack_tensors, quantization_config
@@ -42,25 +43,32 @@ REPORT_NAME = "quantize_report.json"
 
 @dataclass
 class QuantizeRequest:
-    model: str
-    output: Path
-    method: str = "awq"
-    format: str | None = None  # default: DEFAULT_FORMAT[method]
-    bits: int = 4
-    group_size: int = 64
+    """`llmopt quantize`'s options (and a recipe's `quantize` section: `llmopt.options`)."""
+
+    model: str = option(help="'default', a model folder, or a hub id (unquantized)", argument=True, recipe=None)
+    output: Path = option(help="Folder to write (AWQ/GPTQ) or a .gguf file.", names=("--output", "-o"),
+                          recipe=None)
+    method: str = option("awq", "rtn, awq, gptq or gguf", choices=METHODS, recipe_required=True)
+    format: Optional[str] = option(None, "awq, gptq or gguf (default: awq for awq, gguf for gguf, else gptq)",
+                                   choices=FORMATS)
+    bits: int = option(4, "Weight bits (the AWQ/GPTQ writers pack 4).", ge=1)
+    group_size: int = option(64, "Input channels per scale/zero group; -1 = per channel.")
     # defaults measured on the embedded model (docs/benchmarks.md): asymmetric grids, and for
     # GPTQ act-order with 10% damping, gave the lowest KL divergence to the unquantized model
-    sym: bool = False
-    desc_act: bool | None = None  # default: on for GPTQ
-    damp_percent: float = 0.1
-    calib: str = "self"
-    num_samples: int = 64
-    seq_len: int = 256
-    seed: int = 0
-    gguf_type: str = "Q4_K_M"
-    quantize_lm_head: bool = False
-    overwrite: bool = False
-    device: str = "cpu"
+    sym: bool = option(False, "Symmetric grid (vLLM's Marlin GPTQ kernels want --sym; --asym measured better here).",
+                       names=("--sym/--asym",))
+    desc_act: Optional[bool] = option(None, "GPTQ act-order: quantize high-activation columns first "
+                                      "(default: on for gptq).")
+    damp_percent: float = option(0.1, "GPTQ Hessian damping, a fraction of its mean diagonal (raised on failure).")
+    calib: str = option("self", "self (model-generated), a .txt/.jsonl/.parquet file, or hf:NAME[:CONFIG][:SPLIT]",
+                        recipe="calibration.source")
+    num_samples: int = option(64, "Calibration samples.", recipe="calibration.num_samples", ge=1)
+    seq_len: int = option(256, "Tokens per calibration sample.", recipe="calibration.seq_len", ge=1)
+    seed: int = option(0, "Calibration sampling seed.", recipe="calibration.seed", ge=0)
+    gguf_type: str = option("Q4_K_M", "F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K_M, Q5_K_M, Q6_K")
+    quantize_lm_head: bool = option(False, "Quantize the output projection too.", names=("--quantize-lm-head",))
+    overwrite: bool = option(False, "Replace OUTPUT if it exists.", names=("--overwrite",), recipe=None)
+    device: str = option("cpu", "cpu, cuda or cuda:N")
 
     def resolved_format(self) -> str:
         return self.format or DEFAULT_FORMAT[self.method]

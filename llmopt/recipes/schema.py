@@ -21,9 +21,22 @@ meaning (method names, gate syntax, ...) by the library that runs them, before a
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+import types
+import typing
+from pathlib import Path
+from typing import Annotated, Any, Literal, Optional
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, NonNegativeInt, PositiveInt, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, NonNegativeInt, PositiveInt, create_model, \
+    model_validator
+
+from llmopt.bench.latency import LatencyRequest
+from llmopt.bench.serve_args import BenchServeArgs
+from llmopt.bench.throughput import ThroughputRequest
+from llmopt.eval.args import EvalArgs
+from llmopt.options import declared
+from llmopt.quant.quantize import QuantizeRequest
+from llmopt.runtime.engine_args import EngineArgs
+from llmopt.serve.launch import ServeArgs
 
 
 def _comma_list(value: Any) -> Any:
@@ -57,28 +70,46 @@ class Section(BaseModel):
         return {k: v for k, v in self.model_dump(exclude=set(exclude)).items() if v is not None}
 
 
-class EngineFlags(Section):
-    """The paged runtime's options (vLLM's names), as `llmopt generate/eval/bench/serve` take them."""
-
-    max_num_seqs: Positive | None = None
-    max_num_batched_tokens: Positive | None = None
-    max_model_len: Positive | None = None
-    block_size: Positive | None = None
-    enable_prefix_caching: bool | None = None
-    kv_cache_memory: str | None = None  # "2GiB"
-    kv_cache_dtype: str | None = None
-    gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
-    dtype: str | None = None  # default: model.dtype
-    device: str | None = None  # default: model.device
-    speculative_model: str | None = None
-    speculative_method: Literal["ngram", "draft_model"] | None = None
-    num_speculative_tokens: Positive | None = None
-    prompt_lookup_min: Positive | None = None
-    prompt_lookup_max: Positive | None = None
-    speculative_disable_by_batch_size: Positive | None = None
-    speculative_allow_mismatch: bool | None = None
+def _recipe_type(tp: Any, comma: bool, choices: tuple[str, ...] | None) -> Any:
+    """A request field's type as a recipe states it: optional, paths as text, comma lists as lists."""
+    if choices:
+        return Literal[choices]  # type: ignore[valid-type]
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    if typing.get_origin(tp) in (typing.Union, types.UnionType) and len(args) == 1:
+        tp = args[0]
+    if tp is Path:
+        return str
+    if typing.get_origin(tp) is list:  # a recipe may write any list as "a,b", as the command line does
+        return Annotated[tp, BeforeValidator(_comma_list)]
+    return tp
 
 
+def section_model(name: str, *requests: type, exclude: tuple[str, ...] = (), base: type[Section] = None,
+                  **extra: Any) -> type[Section]:
+    """A recipe section whose keys are the recipe keys of `requests`' declared options (each optional:
+    a key left out is the command's default), nested keys (`calibration.source`) as sub-sections,
+    plus `extra` fields (pydantic `(type, default)` pairs) that only a recipe has."""
+    fields: dict[str, Any] = {}
+    nested: dict[str, dict[str, Any]] = {}
+    for request in requests:
+        for d in declared(request, exclude):
+            key = d.recipe_key
+            if key is None:
+                continue
+            bounds = {k: getattr(d.flag, k) for k in ("ge", "gt", "le", "lt") if getattr(d.flag, k) is not None}
+            tp = d.flag.recipe_type or _recipe_type(d.type, d.flag.comma, d.flag.choices)
+            spec = (tp, Field(..., **bounds)) if d.flag.recipe_required else (Optional[tp], Field(None, **bounds))
+            section, _, sub_key = key.rpartition(".")
+            (nested.setdefault(section, {}) if section else fields)[sub_key] = spec
+    for section, spec in nested.items():
+        model = create_model(f"{name}_{section}", __base__=Section, **spec)
+        fields[section] = (model, model())
+    fields.update(extra)
+    return create_model(name, __base__=base or Section, **fields)
+
+
+# The paged runtime's options (vLLM's names), as `llmopt generate/eval/bench/serve` take them
+EngineFlags = section_model("EngineFlags", EngineArgs)
 ENGINE_FLAGS = tuple(EngineFlags.model_fields)
 
 
@@ -93,118 +124,25 @@ class ModelSection(Section):
         return {"spec": value} if isinstance(value, str) else value
 
 
-class Calibration(Section):
-    source: str | None = None  # --calib: self, a .txt/.jsonl/.parquet file, hf:NAME[:CONFIG][:SPLIT]
-    num_samples: Positive | None = None
-    seq_len: Positive | None = None
-    seed: Count | None = None
+class QuantizeSection(section_model("QuantizeOptions", QuantizeRequest)):
+    """`llmopt quantize`'s options; `calibration`: source (--calib), num_samples, seq_len, seed."""
 
-
-class QuantizeSection(Section):
-    method: Literal["rtn", "awq", "gptq", "gguf"]
-    format: Literal["awq", "gptq", "gguf"] | None = None
-    bits: Positive | None = None
-    group_size: int | None = None
-    sym: bool | None = None
-    desc_act: bool | None = None
-    damp_percent: float | None = None
-    gguf_type: str | None = None
-    quantize_lm_head: bool | None = None
-    device: str | None = None  # default: model.device
-    calibration: Calibration = Calibration()
     output: str | None = None  # the checkpoint's name inside the run folder (default: model, or model.gguf)
 
 
-class EvalSection(EngineFlags):
-    baseline: str | None = None  # default: the source model when the recipe quantizes; "none": no baseline
-    tasks: Names | None = None
-    gates: Gates | None = None  # None: the default gates (llmopt/recipes/default-gates.yaml); [] : none
-    limit: int | float | str | None = None  # MMLU questions per subject and HumanEval problems
-    text: str | None = None
-    ctx_size: Positive | None = None
-    chunks: Positive | Literal["all"] | None = None
-    mmlu_path: str | None = None
-    num_fewshot: Count | None = None
-    mmlu_limit: int | float | str | None = None
-    humaneval_limit: int | float | str | None = None
-    humaneval_mode: Literal["completion", "chat"] | None = None
-    humaneval_samples: Positive | None = None
-    temperature: float | None = Field(None, ge=0)
-    top_p: float | None = Field(None, gt=0, le=1)
-    seed: Count | None = None
-    bootstrap_samples: Positive | None = None
-    strict: bool | None = None
-    pass_k: Ints | None = None
-    humaneval_max_tokens: Positive | None = None
-    timeout: float | None = Field(None, gt=0)
-    cache: bool | None = None  # --cache/--no-cache: the baseline's cached results
+# `llmopt eval`'s options; gates in the `--gate` syntax (a string, or a list of them)
+EvalSection = section_model("EvalSection", EvalArgs, gates=(Optional[Gates], None))
 
 
 # The keys of `eval` that are task settings (eval/recipe.py's EvalSettings), not run options.
 EVAL_RUN_KEYS = frozenset({"baseline", "cache", *ENGINE_FLAGS})
 
 
-class ThroughputPlan(EngineFlags):
-    engines: Names | None = None
-    dataset: str | None = None
-    num_prompts: Positive | None = None
-    input_len: Positive | None = None
-    output_len: Count | None = None
-    range_ratio: float | None = Field(None, ge=0, lt=1)
-    prefix_len: Count | None = None
-    seed: Count | None = None
-    hf_batch_size: Positive | None = None
-    hf_max_requests: Count | None = None
-    gguf: str | None = None
-    threads: Positive | None = None
+ThroughputPlan = section_model("ThroughputPlan", ThroughputRequest)
+LatencyPlan = section_model("LatencyPlan", LatencyRequest)
 
 
-class LatencyPlan(Section):
-    engines: Names | None = None
-    batch_size: Ints | None = None
-    input_len: Positive | None = None
-    output_len: Positive | None = None
-    num_iters_warmup: Count | None = None
-    num_iters: Positive | None = None
-    seed: Count | None = None
-    gguf: str | None = None
-    threads: Positive | None = None
-    max_num_batched_tokens: Positive | None = None
-    block_size: Positive | None = None
-    kv_cache_memory: str | None = None
-    kv_cache_dtype: str | None = None
-    gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
-    dtype: str | None = None
-    device: str | None = None
-
-
-class ServeBenchPlan(Section):
-    url: str | None = None  # a running server; default: launch `llmopt serve CHECKPOINT <serve flags>`
-    launch: Literal["llmopt", "llama-cpp"] | None = None
-    serve_args: str | None = None  # default: the recipe's serve flags
-    served_model_name: str | None = None
-    endpoint: Literal["chat", "completions"] | None = None
-    dataset: str | None = None
-    num_prompts: Positive | None = None
-    input_len: Positive | None = None
-    output_len: Count | None = None
-    range_ratio: float | None = Field(None, ge=0, lt=1)
-    prefix_len: Count | None = None
-    tokenizer: str | None = None
-    seed: Count | None = None
-    request_rate: float | None = Field(None, gt=0)
-    burstiness: float | None = Field(None, gt=0)
-    max_concurrency: Positive | None = None
-    sweep: str | None = None  # concurrency=1,4,16 or rate=1,2,inf
-    num_warmups: Count | None = None
-    temperature: float | None = Field(None, ge=0)
-    ignore_eos: bool | None = None
-    percentiles: Annotated[list[float], BeforeValidator(_comma_list)] | None = None
-    goodput: Names | None = None  # ["ttft:500", "tpot:50"]
-    cost_per_hour: float | None = Field(None, ge=0)
-    timeout: float | None = Field(None, gt=0)
-    server_timeout: float | None = Field(None, gt=0)
-    save_detailed: bool | None = None
+ServeBenchPlan = section_model("ServeBenchPlan", BenchServeArgs)
 
 
 class BenchSection(Section):
@@ -213,15 +151,7 @@ class BenchSection(Section):
     serve: ServeBenchPlan | None = None
 
 
-class ServeSection(EngineFlags):
-    engine: Literal["llmopt", "llama.cpp", "vllm"] | None = None
-    host: str | None = None
-    port: int | None = Field(None, gt=0, lt=65536)
-    tensor_parallel_size: Positive | None = None
-    quantization: str | None = None
-    served_model_name: str | None = None
-    max_queue: Positive | None = None
-    log_requests: bool | None = None
+ServeSection = section_model("ServeSection", ServeArgs)
 
 
 class Recipe(Section):

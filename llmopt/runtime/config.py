@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
 from llmopt.errors import LlmoptError
+from llmopt.options import option
 from llmopt.runtime.speculative import SpeculativeConfig
 
 # `--kv-cache-dtype` values (vLLM's flag). fp8 is e4m3 (vLLM's "fp8" / "fp8_e4m3") with a per-layer
@@ -24,18 +25,34 @@ KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {
 }
 
 
+ENGINE_PANEL = "Engine"  # the --help panel of the engine flags
+
+
+def engine_option(default: Any, help: str, *names: str, **kw: Any) -> Any:
+    return option(default, help, *names, panel=ENGINE_PANEL, **kw)
+
+
 @dataclass
 class EngineConfig:
-    max_num_seqs: int = 64  # most requests running at once
-    max_num_batched_tokens: int = 1024  # token budget of one step (prompt chunks + decodes)
-    max_model_len: int | None = None  # prompt + output limit; default: the model's context
-    block_size: int = 16  # tokens per KV block
-    enable_prefix_caching: bool = True
-    kv_cache_memory: int | None = None  # bytes for the KV pool; CPU default: 10% of available RAM
-    gpu_memory_utilization: float = 0.9  # GPU: fraction of device memory llmopt may use in all
-    num_kv_blocks: int | None = None  # exact pool size (tests, benchmarks); overrides the two above
-    kv_cache_dtype: str = "auto"  # KV pool element type (KV_CACHE_DTYPES); "auto": the model's dtype
-    # speculative decoding: a SpeculativeConfig, or its keys as a dict (vLLM's speculative_config)
+    """The paged runtime's configuration. Each field declared with `engine_option` is also an
+    engine flag of every command that runs the runtime (`generate`, `serve`, `eval`, `bench`) and
+    a recipe key (`llmopt.options`): a new engine flag is one field here."""
+
+    max_num_seqs: int = engine_option(64, "Most requests running at once.", ge=1)
+    max_num_batched_tokens: int = engine_option(1024, "Token budget per step (prompt chunks + decodes).", ge=1)
+    max_model_len: Optional[int] = engine_option(None, "Prompt + output limit (default: the model's context).", ge=1)
+    block_size: int = engine_option(16, "Tokens per KV block.", ge=1)
+    enable_prefix_caching: bool = engine_option(True, "Reuse the KV blocks of prompt prefixes seen before.")
+    # bytes for the KV pool; CPU default: 10% of available RAM (EngineArgs takes it as text: "2GiB")
+    kv_cache_memory: Optional[int] = None
+    gpu_memory_utilization: float = engine_option(0.9, "GPU: fraction of device memory llmopt may use in all.",
+                                                  gt=0, le=1)
+    num_kv_blocks: Optional[int] = None  # exact pool size (tests, benchmarks); overrides the two above
+    kv_cache_dtype: str = engine_option(
+        "auto", "KV cache element type: auto (the model's dtype), bfloat16, float16, float32 or fp8 (e4m3); "
+        "16-bit on an fp32 model holds twice the tokens, fp8 four times.")
+    # speculative decoding: a SpeculativeConfig, or its keys as a dict (vLLM's speculative_config);
+    # EngineArgs builds it from the speculative flags
     speculative_config: SpeculativeConfig | dict[str, Any] | None = None
 
     def __post_init__(self) -> None:

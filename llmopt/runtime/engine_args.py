@@ -1,44 +1,55 @@
 """`EngineArgs`: the engine flags of a command line or a recipe (vLLM's names), and the one place
-they become the runtime's `EngineConfig` (`llmopt/cli/engine_args.py` turns them into flags)."""
+they become the runtime's `EngineConfig`.
+
+`EngineArgs` is an `EngineConfig` whose every declared option (`engine_option`) is a flag, plus
+what only a command line states: the model's dtype and device, the KV pool size as text, and the
+speculative-decoding flags that become vLLM's `speculative_config`. The CLI derives the flags
+(`llmopt.cli.options.request_options`), the recipe schema its engine keys (`section_model`).
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Optional
 
 from llmopt.errors import LlmoptError
-from llmopt.runtime.config import EngineConfig, parse_bytes
+from llmopt.runtime.config import EngineConfig, engine_option, parse_bytes
+
+_SPECULATIVE_KEYS = {"speculative_model": "model", "speculative_method": "method",
+                     "num_speculative_tokens": "num_speculative_tokens", "prompt_lookup_min": "prompt_lookup_min",
+                     "prompt_lookup_max": "prompt_lookup_max",
+                     "speculative_disable_by_batch_size": "disable_by_batch_size"}
 
 
 @dataclass
-class EngineArgs:
+class EngineArgs(EngineConfig):
     """The engine flags of one command line (the defaults are the flags' defaults)."""
 
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 1024
-    max_model_len: Optional[int] = None
-    block_size: int = 16
-    enable_prefix_caching: bool = True
-    kv_cache_memory: Optional[str] = None
-    kv_cache_dtype: str = "auto"
-    gpu_memory_utilization: float = 0.9
-    dtype: str = "auto"
-    device: str = "cpu"
-    speculative_model: Optional[str] = None
-    speculative_method: Optional[str] = None
-    num_speculative_tokens: Optional[int] = None
-    prompt_lookup_min: Optional[int] = None
-    prompt_lookup_max: Optional[int] = None
-    speculative_disable_by_batch_size: Optional[int] = None
-    speculative_allow_mismatch: bool = False
+    kv_cache_memory: Optional[str] = engine_option(None, "KV pool size, e.g. 2GiB (CPU default: 10% of free RAM).")
+    dtype: str = engine_option("auto", "auto, float32, bfloat16 or float16")
+    device: str = engine_option("cpu", "cpu, cuda or cuda:N")
+    speculative_model: Optional[str] = engine_option(
+        None, "Speculative decoding with this draft model (same tokenizer as the target; a smaller or int4 "
+        "checkpoint), e.g. an AWQ folder.")
+    speculative_method: Optional[str] = engine_option(
+        None, "ngram: speculate by prompt lookup (no draft model); draft_model: with --speculative-model.",
+        choices=("ngram", "draft_model"))
+    num_speculative_tokens: Optional[int] = engine_option(
+        None, "Tokens proposed per step, verified in one forward (default 4).", ge=1)
+    prompt_lookup_min: Optional[int] = engine_option(
+        None, "ngram: shortest suffix matched in the request's tokens (default 2).", ge=1)
+    prompt_lookup_max: Optional[int] = engine_option(None, "ngram: longest suffix matched (default 5).", ge=1)
+    speculative_disable_by_batch_size: Optional[int] = engine_option(
+        None, "No proposals while more requests than this are running.", ge=1)
+    speculative_allow_mismatch: bool = engine_option(
+        False, "Start a draft whose token ids mean other tokens than the target's (refused otherwise).")
 
-    def speculative_config(self) -> Optional[dict[str, Any]]:
+    def __post_init__(self) -> None:
+        pass  # flags are checked when they become an EngineConfig (`engine_config`), with the flags' names
+
+    def speculative_flags(self) -> Optional[dict[str, Any]]:
         """vLLM's speculative_config from the speculative flags (None: no speculation)."""
-        fields = {"speculative_model": "model", "speculative_method": "method",
-                  "num_speculative_tokens": "num_speculative_tokens", "prompt_lookup_min": "prompt_lookup_min",
-                  "prompt_lookup_max": "prompt_lookup_max",
-                  "speculative_disable_by_batch_size": "disable_by_batch_size"}
-        given = {name: getattr(self, name) for name in fields if getattr(self, name) is not None}
+        given = {name: getattr(self, name) for name in _SPECULATIVE_KEYS if getattr(self, name) is not None}
         if self.speculative_allow_mismatch:
             given["speculative_allow_mismatch"] = True
         if not given:
@@ -47,15 +58,11 @@ class EngineArgs:
             named = ", ".join("--" + name.replace("_", "-") for name in given)
             raise LlmoptError(f"{named}: speculative decoding needs --speculative-model SPEC or "
                               "--speculative-method ngram")
-        return {fields.get(name, "allow_mismatch"): value for name, value in given.items()}
+        return {_SPECULATIVE_KEYS.get(name, "allow_mismatch"): value for name, value in given.items()}
 
     def engine_config(self) -> EngineConfig:
         """The runtime's EngineConfig; LlmoptError (exit 2) for a bad value."""
-        return EngineConfig(
-            max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
-            max_model_len=self.max_model_len, block_size=self.block_size,
-            enable_prefix_caching=self.enable_prefix_caching,
-            kv_cache_memory=parse_bytes(self.kv_cache_memory) if self.kv_cache_memory else None,
-            gpu_memory_utilization=self.gpu_memory_utilization, kv_cache_dtype=self.kv_cache_dtype,
-            speculative_config=self.speculative_config(),
-        )
+        values = {f.name: getattr(self, f.name) for f in fields(EngineConfig)}
+        values["kv_cache_memory"] = parse_bytes(self.kv_cache_memory) if self.kv_cache_memory else None
+        values["speculative_config"] = self.speculative_flags()
+        return EngineConfig(**values)

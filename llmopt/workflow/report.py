@@ -15,7 +15,7 @@ from typing import Any
 
 from llmopt.bench.report import markdown_table
 from llmopt.core.atomic import atomic_file
-from llmopt.workflow.stages import BENCH_SERVE, EVAL, LATENCY, QUANTIZE, SERVE, THROUGHPUT
+from llmopt.workflow.stages import BENCH_SERVE, ERROR, EVAL, GATE_FAILED, LATENCY, QUANTIZE, REUSED, SERVE, THROUGHPUT
 
 REPORT = "report.md"
 COMMANDS = "commands.sh"
@@ -31,7 +31,6 @@ def write_report(result) -> Path:
 
 
 def report_markdown(result) -> str:
-    from llmopt.workflow.runner import GATE_FAILED
 
     recipe = result.recipe
     outcomes = {o.name: o for o in result.outcomes}
@@ -65,7 +64,6 @@ def report_markdown(result) -> str:
 
 
 def _stage_row(stage, outcome, output_dir: Path) -> list[str]:
-    from llmopt.workflow.runner import ERROR, REUSED
 
     status = outcome.status
     if status == ERROR:

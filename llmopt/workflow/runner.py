@@ -29,24 +29,13 @@ from llmopt import __version__
 from llmopt.core.atomic import atomic_file
 from llmopt.errors import LlmoptError
 from llmopt.recipes.schema import Recipe
-from llmopt.workflow.stages import SERVE, Observer, Render, Stage, plan_stages
+from llmopt.workflow.command_line import render
+from llmopt.workflow.stages import DONE, ERROR, GATE_FAILED, NOT_RUN, REUSED, SERVE, Observer, Stage, StageOutcome, \
+    plan_stages
 
 STAMPS = ".llmopt-run"
 RESULTS = "results.json"
 FORMAT_VERSION = 1
-
-DONE, REUSED, GATE_FAILED, NOT_RUN, ERROR = "done", "reused", "gate failed", "not run", "error"
-
-
-@dataclass
-class StageOutcome:
-    name: str
-    status: str  # DONE | REUSED | GATE_FAILED | NOT_RUN | ERROR
-    seconds: float = 0.0
-    key: str | None = None
-    figures: dict[str, Any] | None = None
-    error: str | None = None
-
 
 @dataclass
 class RunResult:
@@ -65,9 +54,9 @@ class RunResult:
         return 1 if any(o.status == GATE_FAILED for o in self.outcomes) else 0
 
 
-def prepare(recipe: Recipe, output_dir: Path, render: Render) -> list[Stage]:
+def prepare(recipe: Recipe, output_dir: Path) -> list[Stage]:
     """Plan and check every stage (LlmoptError on the first problem), before anything runs or is written."""
-    stages = plan_stages(recipe, output_dir, render)
+    stages = plan_stages(recipe, output_dir)
     for stage in stages:
         try:
             stage.check()
@@ -76,7 +65,7 @@ def prepare(recipe: Recipe, output_dir: Path, render: Render) -> list[Stage]:
     return stages
 
 
-def run_recipe(recipe: Recipe, recipe_file: str, output_dir: Path, stages: list[Stage], render: Render,
+def run_recipe(recipe: Recipe, recipe_file: str, output_dir: Path, stages: list[Stage],
                observer: Observer | None = None) -> RunResult:
     """Run `stages` (from `prepare`) in order; writes results.json and report.md whatever the outcome."""
     from llmopt.workflow.report import write_report

@@ -1,0 +1,127 @@
+"""`llmopt serve` as a library call: `ServeArgs` (its options, declared once: the command's flags
+and a recipe's `serve` section) -> `run_server`, which serves until the process is stopped, or
+hands the process to `vllm serve` (`--engine vllm`)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from dataclasses import dataclass
+from typing import Optional
+
+from llmopt.errors import LlmoptError
+from llmopt.options import group, option
+from llmopt.runtime.engine_args import EngineArgs
+
+ENGINES = ("llmopt", "llama.cpp", "vllm")
+log = logging.getLogger("llmopt")
+
+
+@dataclass
+class ServeArgs:
+    """The options of `llmopt serve`."""
+
+    model: str = option("default", "'default', a model folder, a .gguf file or a hub id", argument=True,
+                        recipe=None)
+    host: str = option("127.0.0.1", "Address to listen on.")
+    port: int = option(8000, "Port to listen on.", gt=0, lt=65536)
+    engine_name: str = option("llmopt", "Back end: llmopt (our paged runtime), llama.cpp (GGUF files, one request "
+                              "at a time) or vllm (hands over to `vllm serve`).", "--engine", recipe="engine",
+                              choices=ENGINES)
+    tensor_parallel_size: int = option(1, "GPUs per model (vllm engine only).", ge=1)
+    quantization: Optional[str] = option(None, "Passed to vllm (awq, gptq, ...).")
+    api_key: Optional[str] = option(None, "Require 'Authorization: Bearer KEY' (or set LLMOPT_API_KEY).",
+                                    recipe=None)
+    served_model_name: Optional[str] = option(None, "Model name clients use (default: MODEL).")
+    max_queue: int = option(256, "Waiting requests beyond this get 503 + Retry-After.", ge=1)
+    log_requests: bool = option(False, "Log prompt contents.", "--log-requests")
+    engine: EngineArgs = group(EngineArgs)
+
+    def check(self) -> None:
+        """What is wrong with the options alone (LlmoptError), before any model loads."""
+        if self.engine_name not in ENGINES:
+            raise LlmoptError(f"unknown engine {self.engine_name!r}; available: {', '.join(ENGINES)}")
+        if not 0 < self.port < 65536:
+            raise LlmoptError(f"--port must be 1-65535, got {self.port}")
+        if self.max_queue < 1:
+            raise LlmoptError(f"--max-queue must be positive, got {self.max_queue}")
+        if self.engine_name != "vllm":
+            if self.tensor_parallel_size != 1 or self.quantization:
+                raise LlmoptError("--tensor-parallel-size and --quantization apply to --engine vllm only")
+            config = self.engine.engine_config()
+            if self.engine_name == "llama.cpp" and config.speculative_config is not None:
+                raise LlmoptError("speculative decoding runs on --engine llmopt or vllm, not llama.cpp")
+
+
+def run_server(args: ServeArgs, announce=print) -> None:
+    """Serve `args.model` over the OpenAI API until stopped; `announce(line)` tells where it listens."""
+    args.check()
+    api_key = args.api_key or os.environ.get("LLMOPT_API_KEY") or None
+    if args.engine_name == "vllm":
+        argv = vllm_command(args, api_key)
+        announce("llmopt serve: handing over to " + " ".join(argv))
+        os.execvp(argv[0], argv)  # vLLM owns the process from here (signals, exit code)
+    import uvicorn
+
+    from llmopt.runtime.serving_engine import ServingEngine
+    from llmopt.serve.app import ServeConfig, build_app
+
+    async_engine: ServingEngine
+    if args.engine_name == "llama.cpp":
+        from llmopt.runtime.llamacpp_engine import LlamaCppEngine
+
+        async_engine = llamacpp = LlamaCppEngine.from_spec(args.model, max_model_len=args.engine.max_model_len)
+        description = f"{llamacpp.gguf_path.name}; engine llama.cpp, one request at a time"
+    else:
+        from llmopt.core import load
+        from llmopt.runtime.async_engine import AsyncLLM
+
+        loaded = load(args.model, dtype=args.engine.dtype, device=args.engine.device)
+        async_engine = llm = AsyncLLM.from_spec(loaded, engine_config=args.engine.engine_config())
+        kv = llm.engine.kv
+        kv_dtype = str(llm.engine.kv_cache_dtype).removeprefix("torch.")
+        description = (f"{loaded.config.architecture}, {loaded.dtype}, {loaded.device}; engine llmopt, KV cache "
+                       f"{kv.num_blocks} blocks x {kv.block_size} tokens, {kv_dtype}")
+    serve_config = ServeConfig(served_model_name=args.served_model_name or args.model, api_key=api_key,
+                               max_queue=args.max_queue, log_requests=args.log_requests)
+    app = build_app(async_engine, serve_config)
+    announce(f"llmopt serve: model {serve_config.served_model_name} ({description}), "
+             f"max_model_len {async_engine.max_model_len}, auth {'on' if serve_config.api_key else 'off'}\n"
+             f"listening on http://{args.host}:{args.port}/v1")
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=10)
+
+
+def vllm_command(args: ServeArgs, api_key: str | None = None) -> list[str]:
+    """`vllm serve` with the flags that mean the same thing there (vLLM checks their values itself)."""
+    exe = shutil.which("vllm")
+    if exe is None:
+        raise LlmoptError("--engine vllm needs vLLM: `pip install vllm` on a machine with a CUDA GPU "
+                          "(or use the default --engine llmopt)")
+    model = args.model
+    if model == "default":
+        from llmopt.core import resolve
+
+        model = str(resolve("default").path)  # vLLM reads the converted Hugging Face folder
+    e = args.engine
+    argv = [exe, "serve", model, "--host", args.host, "--port", str(args.port), "--max-num-seqs", str(e.max_num_seqs),
+            "--max-num-batched-tokens", str(e.max_num_batched_tokens), "--block-size", str(e.block_size),
+            "--gpu-memory-utilization", str(e.gpu_memory_utilization),
+            "--tensor-parallel-size", str(args.tensor_parallel_size), "--dtype", e.dtype,
+            "--enable-prefix-caching" if e.enable_prefix_caching else "--no-enable-prefix-caching"]
+    if e.max_model_len is not None:
+        argv += ["--max-model-len", str(e.max_model_len)]
+    if args.quantization:
+        argv += ["--quantization", args.quantization]
+    if e.kv_cache_dtype != "auto":  # same flag there; vLLM checks the value against what its version supports
+        argv += ["--kv-cache-dtype", e.kv_cache_dtype]
+    if args.served_model_name:
+        argv += ["--served-model-name", args.served_model_name]
+    if api_key:
+        argv += ["--api-key", api_key]
+    speculative = e.speculative_flags()
+    if speculative:  # vLLM's own --speculative-config; it has no vocabulary check to override
+        speculative.pop("allow_mismatch", None)
+        argv += ["--speculative-config", json.dumps(speculative)]
+    return argv
