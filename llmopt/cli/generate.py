@@ -94,7 +94,7 @@ def generate(
             raise LlmoptError("speculative decoding runs on --engine llmopt, not llama.cpp")
         llm_engine = LlamaCppEngine.from_spec(model, max_model_len=engine_args.max_model_len)
     else:
-        from llmopt.core import load
+        from llmopt.loader import load
         from llmopt.runtime.llm import LLM
 
         llm = LLM(load(model, dtype=engine_args.dtype, device=engine_args.device), engine_config=config)

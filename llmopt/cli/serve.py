@@ -60,7 +60,7 @@ def serve(
         async_engine = llamacpp = LlamaCppEngine.from_spec(model, max_model_len=engine_args.max_model_len)
         description = f"{llamacpp.gguf_path.name}; engine llama.cpp, one request at a time"
     else:
-        from llmopt.core import load
+        from llmopt.loader import load
         from llmopt.runtime.async_engine import AsyncLLM
 
         loaded = load(model, dtype=engine_args.dtype, device=engine_args.device)
