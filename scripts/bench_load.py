@@ -18,7 +18,7 @@ import tempfile
 CHILD = r"""
 import json, time
 t0 = time.perf_counter()
-from llmopt.core import load
+from llmopt.loader import load
 t1 = time.perf_counter()
 m = load({spec!r}, dtype="float32")
 t2 = time.perf_counter()

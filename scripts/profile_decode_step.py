@@ -13,7 +13,7 @@ import cProfile
 import pstats
 import time
 
-from llmopt.core import load
+from llmopt.loader import load
 from llmopt.runtime import SamplingParams
 from llmopt.runtime.llm import LLM
 

@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from llmopt.core import load
+from llmopt.loader import load
 from llmopt.eval.kld import kl_divergence
 
 

@@ -14,7 +14,7 @@ import json
 import pytest
 import torch
 
-from llmopt.core import load
+from llmopt.loader import load
 from llmopt.core.weights import load_safetensors, save_safetensors
 from llmopt.quant.quantize import QuantizeRequest, hf_state_dict, quantize
 from llmopt.quant.quantizer import QuantScheme, quantize_rtn

@@ -16,7 +16,7 @@ from llmopt.bench.hf_baselines import load_hf_model, run_hf_sequential, run_hf_s
 from llmopt.bench.latency import LatencyConfig, run_latency
 from llmopt.bench.roofline import decode_step_bytes, kv_bytes_per_token, weight_bytes_per_step
 from llmopt.bench.throughput import ThroughputConfig, run_throughput
-from llmopt.core import load
+from llmopt.loader import load
 from llmopt.core.tokenizer import Tokenizer
 from llmopt.errors import LlmoptError
 

@@ -9,7 +9,8 @@ import torch.nn.functional as F
 from llmopt.kernels.cpu_fused import fused_ops
 from llmopt.model import ops as model_ops
 from llmopt.model.llama import RMSNorm
-from llmopt.model.ops import apply_rotary, decoder_ops, select_backend
+from llmopt.model.backends import CpuBackend, ReferenceBackend, select_backend
+from llmopt.model.ops import apply_rotary
 
 ops = fused_ops()
 pytestmark = pytest.mark.skipif(ops is None, reason="the CPU kernels could not be built here (or no AVX2/FMA)")
@@ -30,7 +31,7 @@ def test_rms_norm_and_fused_add(rows, hidden):
     assert torch.equal(summed, residual + x)  # one fp32 add: exact
     torch.testing.assert_close(out, model_ops.rms_norm(residual + x, norm.weight, norm.eps), rtol=2e-6, atol=2e-6)
     # the module given the "cpu" ops runs the fused op on fp32 CPU rows, and the inputs are left alone
-    norm.ops = decoder_ops("cpu")
+    norm.ops = CpuBackend().decoder_ops(torch.float32)
     x_before = x.clone()
     got_out, got_summed = norm(x, residual=residual)
     assert torch.equal(got_out, out) and torch.equal(got_summed, summed) and torch.equal(x, x_before)
@@ -71,18 +72,19 @@ def test_bad_shapes_are_refused():
 
 
 def test_chosen_once_at_load_for_fp32_cpu_only(tiny_models, monkeypatch):
-    from llmopt.core import load
+    from llmopt.loader import load
 
-    assert select_backend(torch.device("cpu"), torch.float32) == "cpu"
-    assert select_backend(torch.device("cpu"), torch.bfloat16) == "cpu"  # its int4 layers: PyTorch's CPU kernel
-    assert decoder_ops("cpu").backend == "cpu" and decoder_ops("reference") is model_ops.REFERENCE_OPS
-    bf16 = decoder_ops("cpu", torch.bfloat16)  # the fused ops are fp32 only
+    assert select_backend(torch.device("cpu"), torch.float32).name == "cpu"
+    assert select_backend(torch.device("cpu"), torch.bfloat16).name == "cpu"  # its int4 layers: PyTorch's CPU kernel
+    assert CpuBackend().decoder_ops(torch.float32).backend == "cpu"
+    assert ReferenceBackend().decoder_ops(torch.float32) is model_ops.REFERENCE_OPS
+    bf16 = CpuBackend().decoder_ops(torch.bfloat16)  # the fused ops are fp32 only
     assert bf16.backend == "cpu" and bf16.rms_norm is model_ops.rms_norm
     for dtype, backend in (("float32", "cpu"), ("bfloat16", "cpu")):
         model = load(str(tiny_models["llama"]), dtype=dtype).model
         assert {m.ops.backend for m in model.modules() if hasattr(m, "ops")} == {backend}
     monkeypatch.setenv("LLMOPT_KERNELS", "reference")
-    assert select_backend(torch.device("cpu"), torch.float32) == "reference"
+    assert select_backend(torch.device("cpu"), torch.float32).name == "reference"
     model = load(str(tiny_models["llama"])).model
     assert {m.ops.backend for m in model.modules() if hasattr(m, "ops")} == {"reference"}
     monkeypatch.setenv("LLMOPT_KERNELS", "fastest")

@@ -138,12 +138,13 @@ def test_int8_kernel_matches_reference(rows, out_features):
 
 def test_dense_linear_int8_copy():
     gen = torch.Generator().manual_seed(9)
+    from llmopt.model.backends import CpuBackend
     from llmopt.model.linear import DenseLinear
 
     layer = DenseLinear(64, 24, bias=True)
     layer.weight.data = torch.randn(24, 64, generator=gen)
     layer.bias.data = torch.randn(24, generator=gen)
-    layer.prepare("cpu")
+    layer.prepare(CpuBackend())
     assert layer.use_compact_copy("int8")
     x = torch.randn(130, 64, generator=gen)  # more rows than the skinny limit: still the int8 copy
     q = layer.int8_weight

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from llmopt.kernels.cpu_linear import SKINNY_MAX_ROWS, skinny_linear_kernel
+from llmopt.model.backends import CpuBackend, ReferenceBackend
 from llmopt.model.linear import DenseLinear
 
 kernel = skinny_linear_kernel()
@@ -64,7 +65,7 @@ def test_dense_linear_uses_the_kernel_for_few_rows_only():
     layer = DenseLinear(64, 48, bias=True)
     layer.weight.data = torch.randn(48, 64, generator=gen)
     layer.bias.data = torch.randn(48, generator=gen)
-    layer.prepare("cpu")
+    layer.prepare(CpuBackend())
     assert layer.skinny is kernel
     few = torch.randn(2, 3, 64, generator=gen)  # 6 rows, any leading shape
     out = layer(few)
@@ -74,10 +75,10 @@ def test_dense_linear_uses_the_kernel_for_few_rows_only():
     assert torch.equal(layer(many), F.linear(many, layer.weight, layer.bias))  # MKL, as transformers
     # prepared again after a cast (the kernel is fp32 only), or for another backend: plain F.linear
     layer.to(torch.float64)
-    layer.prepare("cpu")
+    layer.prepare(CpuBackend())
     assert layer.skinny is None and torch.equal(layer(few.double()), F.linear(few.double(), layer.weight, layer.bias))
     layer.to(torch.float32)
-    layer.prepare("reference")
+    layer.prepare(ReferenceBackend())
     assert layer.skinny is None and layer.onednn_weight is None and torch.equal(layer(few), F.linear(few, layer.weight, layer.bias))
 
 
@@ -96,7 +97,7 @@ def test_dense_linear_bf16_copy_serves_every_row_count():
     gen = torch.Generator().manual_seed(6)
     layer = DenseLinear(64, 40)
     layer.weight.data = torch.randn(40, 64, generator=gen)
-    layer.prepare("cpu")
+    layer.prepare(CpuBackend())
     assert layer.use_compact_copy("bf16") and layer.bf16_weight.dtype == torch.bfloat16
     assert layer.weight.dtype == torch.float32  # the plain weight stays (tied embeddings read it)
     for rows in (1, SKINNY_MAX_ROWS + 5):

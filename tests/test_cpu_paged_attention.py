@@ -69,7 +69,7 @@ def test_kernel_reads_only_each_sequences_blocks(kv_dtype):
 @pytest.mark.parametrize("kind", ["llama", "mistral"])
 def test_runtime_greedy_same_with_and_without_kernel(tiny_models, kind):
     """The engine decodes through the kernel; switching to the PyTorch path changes no token."""
-    from llmopt.core import load
+    from llmopt.loader import load
     from llmopt.runtime import SamplingParams
     from llmopt.runtime.llm import LLM
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from conftest import TINY_CONFIGS
-from llmopt.core import load
+from llmopt.loader import load
 from llmopt.model.attention import ContiguousKVCache
 from llmopt.runtime import SamplingParams
 from llmopt.runtime.llm import LLM
@@ -88,7 +88,7 @@ def test_greedy_generation_matches_transformers(tiny_models, kind):
 def test_sliding_window_changes_attention(tiny_models):
     """Mistral's window must matter: the same weights without it give different logits."""
     from llmopt.core import resolve
-    from llmopt.core.loader import build_model
+    from llmopt.loader import build_model
     from llmopt.core.weights import load_safetensors, safetensors_files
 
     source = resolve(str(tiny_models["mistral"]))

@@ -10,7 +10,8 @@ import sys
 import pytest
 import torch
 
-from llmopt.core import load, resolve
+from llmopt.core import resolve
+from llmopt.loader import load
 from llmopt.runtime import SamplingParams
 from llmopt.runtime.llm import LLM
 

@@ -336,7 +336,7 @@ def test_add_token_after_finish_raises(tok):
 # ---- the default model's tokenizer (SmolLM2, byte-level BPE) -----------------------------
 @pytest.fixture(scope="module")
 def default_tokenizer() -> Tokenizer:
-    from llmopt.core import load
+    from llmopt.loader import load
 
     return load("default").tokenizer
 

@@ -7,7 +7,7 @@ import pytest
 
 from conftest import assert_usage_error
 from llmopt.runtime.engine_args import EngineArgs
-from llmopt.core import load
+from llmopt.loader import load
 from llmopt.runtime import LLM, AsyncLLM, EngineConfig, LLMEngine
 
 FLAGS = ["--max-num-seqs", "--max-num-batched-tokens", "--max-model-len", "--block-size", "--enable-prefix-caching",

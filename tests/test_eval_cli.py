@@ -116,7 +116,7 @@ def test_ppl_matches_a_forward_by_hand(tiny_models, files, tmp_path, ctx, chunks
 def test_loglikelihood_fast_and_general_paths_match_a_forward(tiny_models):
     from transformers import AutoModelForCausalLM
 
-    from llmopt.core import load
+    from llmopt.loader import load
     from llmopt.eval.loglikelihood import loglikelihoods, plan_jobs
 
     loaded = load(str(tiny_models["llama"]))

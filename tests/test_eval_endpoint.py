@@ -112,7 +112,7 @@ class FakeServer:
     def __init__(self, model_dir: Path, mode: str):
         from fastapi.responses import JSONResponse
 
-        from llmopt.core import load
+        from llmopt.loader import load
 
         self.loaded = load(str(model_dir), dtype="float32")
         self.mode = mode

@@ -20,7 +20,8 @@ from tokenizers import Regex, models, pre_tokenizers as pt
 from tokenizers import Tokenizer as HFTokenizer
 
 from conftest import CHAT_TEMPLATE, make_byte_tokenizer, read_config
-from llmopt.core import load, resolve
+from llmopt.core import resolve
+from llmopt.loader import load
 from llmopt.core.gguf_file import _LLAMA3_REGEX, _QWEN2_REGEX, read_gguf
 from llmopt.core.tokenizer import Tokenizer
 from llmopt.core.weights import load_safetensors, safetensors_files

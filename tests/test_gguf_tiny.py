@@ -16,7 +16,8 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from llmopt.core import load, resolve
+from llmopt.core import resolve
+from llmopt.loader import load
 from llmopt.core.tokenizer import Tokenizer
 from test_decoder_vs_transformers import hf_model, our_packed_logits
 

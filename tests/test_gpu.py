@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llmopt.core import load
+from llmopt.loader import load
 from llmopt.runtime import LLM, SamplingParams
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

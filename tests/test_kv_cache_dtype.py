@@ -109,7 +109,7 @@ def test_config_names_the_valid_values():
 
 @pytest.fixture(scope="module")
 def tiny(tiny_models):
-    from llmopt.core import load
+    from llmopt.loader import load
 
     return {kind: load(str(tiny_models[kind]), dtype="float32") for kind in ("llama", "mistral")}
 
@@ -167,7 +167,7 @@ def test_fp8_pool_holds_four_times_the_blocks_and_scores_like_fp32(tiny):
 
 
 def test_engine_refuses_a_pool_wider_than_the_model(tiny_models):
-    from llmopt.core import load
+    from llmopt.loader import load
     from llmopt.runtime.llm import LLM
 
     model = load(str(tiny_models["llama"]), dtype="bfloat16")

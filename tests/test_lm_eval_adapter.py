@@ -13,7 +13,7 @@ lm_eval = pytest.importorskip("lm_eval", reason="lm-eval is an optional extra (p
 
 from lm_eval.tasks import TaskManager  # noqa: E402
 
-from llmopt.core import load  # noqa: E402
+from llmopt.loader import load  # noqa: E402
 from llmopt.eval.lm_eval_adapter import LlmoptLM  # noqa: E402
 from llmopt.eval.mmlu import evaluate_mmlu, load_mmlu  # noqa: E402
 from llmopt.eval.loglikelihood import loglikelihoods  # noqa: E402

@@ -30,7 +30,7 @@ def test_wheel_maps_kernels_under_llmopt(tmp_path):
     wheel = next(tmp_path.glob("llmopt-*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
     assert "llmopt/kernels/__init__.py" in names
-    assert "llmopt/core/loader.py" in names
+    assert "llmopt/loader/model_loader.py" in names
     assert not any(n.startswith("kernels/") for n in names)
     entry = [n for n in names if n.endswith("entry_points.txt")]
     text = zipfile.ZipFile(wheel).read(entry[0]).decode()

@@ -55,7 +55,7 @@ def test_placement_arithmetic():
 
 @pytest.mark.integration
 def test_kv_bytes_equal_what_the_runtime_allocates():
-    from llmopt.core import load
+    from llmopt.loader import load
     from llmopt.runtime.model_runner import kv_bytes_per_block
 
     model = load("default").model

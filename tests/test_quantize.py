@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import assert_usage_error, read_config, run_cli
-from llmopt.core import load
+from llmopt.loader import load
 from llmopt.errors import LlmoptError
 from llmopt.eval.kld import kl_divergence
 from llmopt.quant.calibration import load_calibration

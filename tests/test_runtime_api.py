@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from llmopt.core import load
+from llmopt.loader import load
 from llmopt.errors import LlmoptError
 from llmopt.runtime import SamplingParams
 from llmopt.runtime.async_engine import AsyncLLM

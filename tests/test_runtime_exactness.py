@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from llmopt.core import load
+from llmopt.loader import load
 from llmopt.runtime import SamplingParams
 from llmopt.runtime.llm import LLM
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llmopt.core import load
+from llmopt.loader import load
 from llmopt.errors import LlmoptError
 from llmopt.eval.loglikelihood import PackedAttention
 from llmopt.runtime import SamplingParams

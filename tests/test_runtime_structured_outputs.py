@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from llmopt.core import load
+from llmopt.loader import load
 from llmopt.errors import LlmoptError
 from llmopt.runtime import SamplingParams
 from llmopt.runtime.llm import LLM

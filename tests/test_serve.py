@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from llmopt.core import load
+from llmopt.loader import load
 from llmopt.runtime import LLM, SamplingParams
 
 openai = pytest.importorskip("openai")

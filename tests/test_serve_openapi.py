@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from llmopt.core import load
+from llmopt.loader import load
 from llmopt.runtime.async_engine import AsyncLLM
 from llmopt.serve.app import ServeConfig, build_app
 

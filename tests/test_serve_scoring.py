@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from starlette.testclient import TestClient
 
-from llmopt.core import load
+from llmopt.loader import load
 from llmopt.eval.loglikelihood import encode_pair, loglikelihoods
 from llmopt.eval.mmlu import apply_limit, build_requests, load_mmlu, score_mmlu
 from llmopt.runtime.async_engine import AsyncLLM

@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from llmopt.core import load
+from llmopt.loader import load
 from llmopt.runtime import SamplingParams
 from llmopt.runtime.async_engine import AsyncLLM
 from llmopt.runtime.llm import LLM

@@ -13,7 +13,7 @@ import torch
 from conftest import make_byte_tokenizer, write_tiny_model
 from test_runtime_exactness import CONFIGS, tiny_prompts
 
-from llmopt.core import load
+from llmopt.loader import load
 from llmopt.errors import LlmoptError
 from llmopt.runtime import SamplingParams
 from llmopt.runtime.llm import LLM

@@ -13,7 +13,7 @@ from conftest import assert_usage_error, run_cli, write_tiny_model
 from test_engine_args import COMMANDS
 
 from llmopt.runtime.engine_args import EngineArgs
-from llmopt.core import load
+from llmopt.loader import load
 from llmopt.runtime import LLM, SamplingParams
 
 SPEC_FLAGS = ["--speculative-model", "--speculative-method", "--num-speculative-tokens", "--prompt-lookup-min",

@@ -18,7 +18,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # read when triton is first imported
 pytest.importorskip("triton")
 
-from llmopt.core import load  # noqa: E402
+from llmopt.loader import load  # noqa: E402
 from llmopt.runtime import SamplingParams  # noqa: E402
 from llmopt.runtime.llm import LLM  # noqa: E402
 from test_runtime_exactness import tiny_prompts  # noqa: E402

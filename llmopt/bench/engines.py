@@ -81,7 +81,7 @@ def check_options(options: EngineOptions) -> None:
     """Refuse options every engine would fail on, before any process starts (LlmoptError)."""
     import torch
 
-    from llmopt.core.loader import resolve_dtype
+    from llmopt.loader import resolve_dtype
     from llmopt.errors import LlmoptError
 
     try:
@@ -147,7 +147,7 @@ def _timed(run: Callable[[], T]) -> tuple[T, float]:
 
 
 def _run_llmopt(spec: str, requests: list[BenchRequest], options: EngineOptions) -> EngineResult:
-    from llmopt.core import load
+    from llmopt.loader import load
     from llmopt.runtime import SamplingParams
     from llmopt.runtime.llm import LLM
 
@@ -183,7 +183,7 @@ def _hf_model(spec: str, options: EngineOptions):
     import torch
 
     from llmopt.core import resolve
-    from llmopt.core.loader import resolve_dtype
+    from llmopt.loader import resolve_dtype
 
     folder = resolve(spec).path
     dtype = resolve_dtype(options.dtype, torch.device(options.device))

@@ -151,7 +151,7 @@ class _Measurer:
 def _llmopt_measurer(config: LatencyConfig) -> _Measurer:
     from llmopt.bench.engines import describe_weights
     from llmopt.bench.roofline import decode_step_bytes
-    from llmopt.core import load
+    from llmopt.loader import load
     from llmopt.runtime import SamplingParams
     from llmopt.runtime.config import EngineConfig
     from llmopt.runtime.engine import LLMEngine

@@ -82,7 +82,7 @@ def _run_lm_eval(args: EvalArgs, output: Path | None, log_samples: bool, samples
     samples as lm-eval's per-task JSONL files beside the report (`samples_<task>.jsonl`)."""
     import json
 
-    from llmopt.core import load
+    from llmopt.loader import load
     from llmopt.eval.lm_eval_adapter import evaluate_tasks
     from llmopt.eval.report import samples_path, write_json
 

@@ -1,8 +1,8 @@
-"""The one model-loading core: every subcommand gets its model through `resolve` + `load`."""
+"""Model files without the model: specs resolved to sources (`resolve`), configs, tokenizers
+(`load_tokenizer`), checkpoint formats and weights I/O. `llmopt.loader` builds the model on top."""
 
 from llmopt.core.config import ModelConfig
-from llmopt.core.loader import LoadedModel, load, load_tokenizer
-from llmopt.core.source import ModelSource, QuantizationInfo, resolve
+from llmopt.core.source import ModelSource, QuantizationInfo, load_tokenizer, resolve
 from llmopt.core.tokenizer import Tokenizer
 
-__all__ = ["LoadedModel", "ModelConfig", "ModelSource", "QuantizationInfo", "Tokenizer", "load", "load_tokenizer", "resolve"]
+__all__ = ["ModelConfig", "ModelSource", "QuantizationInfo", "Tokenizer", "load_tokenizer", "resolve"]

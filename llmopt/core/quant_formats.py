@@ -48,10 +48,6 @@ def pack_tensors(fmt: str, prefix: str, q: QuantizedWeight) -> dict[str, torch.T
             f"{prefix}.g_idx": q.g_idx.to(torch.int32).clone()}
 
 
-def is_packed(tensors: dict[str, torch.Tensor], prefix: str) -> bool:
-    return f"{prefix}.qweight" in tensors
-
-
 def unpack_tensors(fmt: str, tensors: dict[str, torch.Tensor], prefix: str, bits: int, group_size: int,
                    gptq_v2: bool = False) -> QuantizedWeight:
     """Read one projection back as codes + grid, checking shapes agree with each other."""

@@ -1,7 +1,8 @@
-"""Model specs -> typed sources: `resolve("default" | folder | file.gguf | org/name)`."""
+"""Model specs -> typed sources: `resolve("default" | folder | file.gguf | org/name)`; a source's tokenizer."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from dataclasses import dataclass, field
@@ -9,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from llmopt.core.config import ModelConfig, read_json
+from llmopt.core.tokenizer import Tokenizer
 from llmopt.errors import LlmoptError
 
 SUPPORTED_QUANT_METHODS = ("awq", "gptq")
@@ -63,6 +65,21 @@ def resolve(spec: str) -> ModelSource:
     )
 
 
+def resolve_gguf(spec: str) -> ModelSource | None:
+    """The GGUF file a spec names, as a source of kind "gguf" (what llama.cpp runs): "default" is
+    the embedded GGUF file itself, where `resolve` gives its converted folder; None when the spec
+    names no .gguf file (told from the name alone, before anything is read or downloaded)."""
+    spec = spec.strip()
+    if spec == "default":
+        from llmopt.core.embedded import default_gguf_path
+
+        return _gguf_source(spec, default_gguf_path())
+    if Path(spec).suffix != ".gguf":
+        return None
+    source = resolve(spec)
+    return source if source.kind == "gguf" else None
+
+
 def _folder_source(spec: str, folder: Path, kind: str) -> ModelSource:
     config_path = folder / "config.json"
     if not config_path.exists():
@@ -114,3 +131,28 @@ def _download(repo_id: str) -> Path:
             "or unset HF_HUB_OFFLINE on a machine that reaches the hub"
         ) from None
     return Path(folder)
+
+
+def load_tokenizer(source: ModelSource | str) -> Tokenizer:
+    """The model's tokenizer alone (from its folder, or from the GGUF file's metadata)."""
+    if isinstance(source, str):
+        source = resolve(source)
+    if source.kind == "gguf":
+        from llmopt.core.gguf_file import read_gguf_tokenizer
+
+        return read_gguf_tokenizer(source.path)
+    return Tokenizer.from_dir(source.path, extra_eos_token_ids=_generation_eos(source.path, source.config))
+
+
+def _generation_eos(folder: Path, config: ModelConfig) -> list[int]:
+    path = folder / "generation_config.json"
+    ids = list(config.eos_token_ids)
+    if path.exists():
+        try:
+            eos = json.loads(path.read_text(encoding="utf-8")).get("eos_token_id")
+        except json.JSONDecodeError:
+            eos = None
+        for e in eos if isinstance(eos, list) else [eos]:
+            if isinstance(e, int) and e not in ids:
+                ids.append(e)
+    return ids

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from llmopt.core.source import ModelSource, resolve
-from llmopt.core.loader import load_tokenizer
+from llmopt.core import load_tokenizer
 from llmopt.errors import LlmoptError
 from llmopt.eval import stats
 from llmopt.eval.gates import (

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from llmopt.core.loader import load_tokenizer
+from llmopt.core import load_tokenizer
 from llmopt.core.source import ModelSource
 from llmopt.errors import LlmoptError
 from llmopt.eval import cache
@@ -86,7 +86,7 @@ class _LazyModel:
 
     def __call__(self):
         if self.loaded is None:
-            from llmopt.core import load
+            from llmopt.loader import load
 
             start = time.perf_counter()
             self.loaded = load(self.source, dtype=self.options.dtype, device=self.options.device)

@@ -11,14 +11,14 @@ kernel computes w = (code - 8) * scale + offset per group, so our zero points be
 offset = (8 - zero) * scale. It needs groups of 32/64/128/256 contiguous input columns:
 act-order checkpoints (a permuted g_idx) are handled by permuting the input columns
 once per call, and per-channel (-1) grids by repeating the scale over 64-column groups.
-PyTorch's kernel was measured slow with fp32 activations on the 2-core CPU here, hence
-llmopt's own kernel for fp32 models.
+PyTorch's kernel is slow with fp32 activations (docs/benchmarks.md), hence llmopt's own
+kernel for fp32 models.
 
 - `TritonInt4Linear` (CUDA; CPU only under TRITON_INTERPRET=1): llmopt's Triton
   dequant-matmul (`llmopt.kernels.triton_int4`) for fp16 / bf16 / fp32 activations: the
   layer of the "triton" backend (CUDA).
 
-`make_int4_linear` picks the layer for the model's kernel backend (`llmopt.model.ops`).
+Each kernel backend picks its layer (`KernelBackend.int4_linear`, `llmopt.model.backends`).
 """
 
 from __future__ import annotations
@@ -156,14 +156,3 @@ def triton_int4_linear(q: QuantizedWeight, bias: torch.Tensor | None) -> TritonI
         return None
     return TritonInt4Linear(packed, bias)
 
-
-def make_int4_linear(q: QuantizedWeight, bias: torch.Tensor | None, kernels: str,
-                     dtype: torch.dtype) -> LinearBase | None:
-    """The int4 layer of kernel backend `kernels` for a model of `dtype`, or None where that
-    backend has none for this weight (the caller keeps the dense dequantized weight; always so
-    on the "reference" backend)."""
-    if kernels == "triton":
-        return triton_int4_linear(q, None if bias is None else bias.to(dtype))
-    if kernels == "cpu":
-        return cpu_int4_linear(q, bias) if dtype == torch.float32 else int4_linear(q, bias, dtype)
-    return None

@@ -7,7 +7,7 @@ module mapping [..., in_features] to [..., out_features].
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.nn.functional as F
@@ -16,13 +16,16 @@ from torch import nn
 from llmopt.kernels.cpu_int4 import PackedInt8, int8_linear_kernel, repack_int8
 from llmopt.kernels.cpu_linear import SKINNY_MAX_ROWS, skinny_linear_kernel
 
+if TYPE_CHECKING:  # the backends hand out these layers; the layers need the backend only for hints
+    from llmopt.model.backends import KernelBackend
+
 
 class LinearBase(nn.Module):
     in_features: int
     out_features: int
 
-    def prepare(self, kernels: str = "reference") -> None:
-        """Called once after loading, with the model's kernel backend (`llmopt.model.ops`):
+    def prepare(self, backend: KernelBackend) -> None:
+        """Called once after loading, with the model's kernel backend (`llmopt.model.backends`):
         choose the kernels and convert weights to the layout the forward wants. A caller that
         replaces the weight afterwards calls it again."""
 
@@ -34,29 +37,24 @@ class LinearBase(nn.Module):
         return [*self.buffers(recurse=False), *self.parameters(recurse=False)]
 
 
-WIDE_OUTPUT = 8192  # output features above which a layer counts as "very wide"
-
-
 class DenseLinear(LinearBase):
     """A plain (fp32 / fp16 / bf16) linear layer with Hugging Face tensor names.
 
-    fp32 on CPU takes the fastest of three paths (measured on a 2-core CPU; `llmopt bench kernels --device cpu`):
-    - up to `SKINNY_MAX_ROWS` rows (decode steps), our C++ kernel: MKL's GEMM re-packs the
-      weight on every call, which at few rows costs more than the arithmetic (batch 1: 16 vs
-      28 ms for the default model's 30 layers; batch 32: 58 vs 73 ms);
-    - more rows of a very wide layer (the vocabulary projection), oneDNN with a pre-packed
-      weight (1.2-1.3x MKL at 96-256 rows);
-    - everything else (prompt chunks, perplexity windows), MKL via `F.linear`, as transformers.
-    Results agree to float rounding (~3e-6 per layer); the kernel's result for a row does not
-    depend on the other rows. The packed copy sits beside the plain weight (checkpoints and
-    tied embeddings use that one). `prepare("cpu")` picks these kernels once; on any other
-    backend the layer is `F.linear`.
+    `prepare(backend)` asks the kernel backend which kernels this weight runs on
+    (`KernelBackend.dense_linear_kernels`); the forward then takes:
+    - up to `SKINNY_MAX_ROWS` rows (decode steps), the backend's few-row kernel where it gave one;
+    - more rows, a weight pre-packed for oneDNN where the backend gave one (very wide layers:
+      the vocabulary projection);
+    - everything else (prompt chunks, perplexity windows), `F.linear`, as transformers.
+    Results agree with `F.linear` to float rounding; the few-row kernel's result for a row does
+    not depend on the other rows. The packed copy sits beside the plain weight (checkpoints and
+    tied embeddings use that one).
 
     `use_compact_copy("bf16" | "int8")` makes every fp32 CPU call, whatever the row count,
     multiply by a smaller copy of the weight: bf16 through the skinny kernel (half the bytes),
     or 8 bits per weight with a scale per 32 columns (llama.cpp's Q8_0) through the int8
     kernel of `llmopt.kernels.cpu_int4` (a quarter). int4 models use it for the vocabulary
-    projection (`llmopt.core.loader`).
+    projection where their backend says so (`llmopt.loader`).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
@@ -71,16 +69,9 @@ class DenseLinear(LinearBase):
         self.int8_weight: PackedInt8 | None = None
         self.int8_kernel: Callable | None = None
 
-    def prepare(self, kernels: str = "reference") -> None:
-        """Once the weights are loaded: pick the fp32 CPU kernels this layer can use."""
-        w = self.weight
-        self.skinny, self.onednn_weight = None, None
-        if kernels != "cpu" or w.device.type != "cpu" or w.dtype != torch.float32:
-            return
-        if w.is_contiguous():
-            self.skinny = skinny_linear_kernel()
-        if self.out_features > WIDE_OUTPUT and torch.backends.mkldnn.is_available():
-            self.onednn_weight = w.detach().to_mkldnn()
+    def prepare(self, backend: KernelBackend) -> None:
+        """Once the weights are loaded: take the kernels the backend has for this weight."""
+        self.skinny, self.onednn_weight = backend.dense_linear_kernels(self.weight)
 
     def use_compact_copy(self, kind: str) -> bool:
         """Multiply fp32 CPU inputs by a "bf16" or "int8" copy of the weight from now on; False
@@ -129,5 +120,5 @@ class DenseLinear(LinearBase):
 def make_linear(in_features: int, out_features: int, bias: bool = False) -> LinearBase:
     """The decoder's projection as the model is built: a `DenseLinear`. AWQ / GPTQ projections
     replace it at load with the int4 layer of the model's kernel backend
-    (`llmopt.model.int4_linear.make_int4_linear`)."""
+    (`KernelBackend.int4_linear`)."""
     return DenseLinear(in_features, out_features, bias)

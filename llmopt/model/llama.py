@@ -8,18 +8,15 @@ any notion of batches, padding or cache layout.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch import nn
 
+from llmopt.core.config import ModelConfig
 from llmopt.model.attention import AttentionBackend
+from llmopt.model.backends import KernelBackend, ReferenceBackend
 from llmopt.model.linear import make_linear
 from llmopt.model.ops import REFERENCE_OPS, DecoderOps
 from llmopt.model.rope import RotaryEmbedding
-
-if TYPE_CHECKING:  # the core imports the model; the model needs the config only for hints
-    from llmopt.core.config import ModelConfig
 
 
 # our fused projections and the checkpoint tensors stacked into them (along the output dim)
@@ -134,14 +131,17 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.model = LlamaModel(config)
         self.lm_head = make_linear(config.hidden_size, config.vocab_size, bias=False)
+        self.backend: KernelBackend = ReferenceBackend()
         self.ops: DecoderOps = REFERENCE_OPS
 
     def tie_weights(self) -> None:
         self.lm_head.weight = self.model.embed_tokens.weight
 
-    def use_ops(self, ops: DecoderOps) -> None:
-        """Run the small per-layer ops as `ops` (chosen once at load: `llmopt.model.ops`)."""
-        self.ops = ops
+    def use_backend(self, backend: KernelBackend, dtype: torch.dtype) -> None:
+        """Run on kernel backend `backend` (chosen once at load): its small per-layer ops for
+        `dtype` from now on, its paged attention in the model runner."""
+        self.backend = backend
+        self.ops = ops = backend.decoder_ops(dtype)
         for module in self.modules():
             if isinstance(module, (RMSNorm, Attention, MLP)):
                 module.ops = ops

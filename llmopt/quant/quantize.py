@@ -21,7 +21,8 @@ from typing import Any, Callable, Optional
 import torch
 
 from llmopt import __version__
-from llmopt.core import load, resolve
+from llmopt.core import resolve
+from llmopt.loader import load
 from llmopt.core.atomic import atomic_file
 from llmopt.core.convert import write_hf_folder
 from llmopt.errors import LlmoptError

@@ -26,7 +26,7 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import replace
 from typing import Any
 
-from llmopt.core.loader import LoadedModel
+from llmopt.loader import LoadedModel
 from llmopt.errors import LlmoptError
 from llmopt.runtime.config import EngineConfig
 from llmopt.runtime.engine import EngineStats, LLMEngine, PromptType

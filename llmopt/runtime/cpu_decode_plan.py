@@ -60,7 +60,7 @@ def build_decode_plan(model: LlamaForCausalLM, kv_dtype: torch.dtype) -> Any | N
             return None
         plan.add_layer(norms[0].weight, norms[1].weight, norms[0].eps, *specs, attn.num_heads, attn.num_kv_heads,
                        attn.head_dim, -1 if attn.sliding_window is None else attn.sliding_window,
-                       attn.head_dim ** -0.5)  # the scale exactly as PagedAttentionBackend computes it
+                       attn.head_dim ** -0.5)  # the scale exactly as PagedAttention computes it
     return plan
 
 

@@ -17,7 +17,7 @@ from typing import Any, Union
 
 import torch
 
-from llmopt.core.loader import LoadedModel
+from llmopt.loader import LoadedModel
 from llmopt.errors import LlmoptError
 from llmopt.runtime.config import EngineConfig, available_memory_bytes, resolve_kv_cache_dtype
 from llmopt.runtime.detokenizer import IncrementalDetokenizer
@@ -177,7 +177,7 @@ class LLMEngine(EngineFrontend):
 
     def _load_draft(self, spec) -> LoadedModel:
         """The draft model, on the target's device and dtype, checked against the target."""
-        from llmopt.core import load
+        from llmopt.loader import load
 
         draft = load(spec.model, dtype=str(self.loaded.dtype).removeprefix("torch."),
                      device=str(self.loaded.device))
@@ -194,7 +194,7 @@ class LLMEngine(EngineFrontend):
     def from_spec(cls, model: str = "default", dtype: str = "auto", device: str = "cpu",
                   engine_config: EngineConfig | None = None, **overrides: Any) -> "LLMEngine":
         """`engine_config` (default: EngineConfig()) with `overrides` of its fields, e.g. num_kv_blocks=64."""
-        from llmopt.core import load
+        from llmopt.loader import load
 
         return cls(load(model, dtype=dtype, device=device), replace(engine_config or EngineConfig(), **overrides))
 

@@ -90,7 +90,7 @@ def run_generate(args: GenerateArgs) -> GenerateResult:
             raise LlmoptError("speculative decoding runs on --engine llmopt, not llama.cpp")
         engine: ServingEngine = LlamaCppEngine.from_spec(args.model, max_model_len=args.engine.max_model_len)
     else:
-        from llmopt.core import load
+        from llmopt.loader import load
         from llmopt.runtime.llm import LLM
 
         llm = LLM(load(args.model, dtype=args.engine.dtype, device=args.engine.device), engine_config=config)

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
-from llmopt.core.embedded import default_gguf_path
 from llmopt.core.gguf_file import read_gguf_config, read_gguf_tokenizer
+from llmopt.core.source import resolve_gguf
 from llmopt.errors import LlmoptError
 from llmopt.runtime.engine import EngineFrontend, EngineStats, PromptType, check_stop, make_output
 from llmopt.runtime.outputs import RequestOutput
@@ -36,17 +36,12 @@ class LlamaCppEngine(EngineFrontend):
     @classmethod
     def from_spec(cls, model: str = "default", max_model_len: int | None = None,
                   n_threads: int | None = None) -> "LlamaCppEngine":
-        """`model`: 'default' (the embedded GGUF) or a .gguf file; LlmoptError for anything else."""
-        if model == "default":
-            path = default_gguf_path()
-        else:
-            path = Path(model).expanduser()
-            if path.suffix != ".gguf":
-                raise LlmoptError(f"--engine llama.cpp runs .gguf files; {model!r} is not one "
-                                  "(llmopt quantize --method gguf writes them)")
-            if not path.is_file():
-                raise LlmoptError(f"{model} does not exist")
-        return cls(path, max_model_len=max_model_len, n_threads=n_threads)
+        """`model`: 'default' (the embedded GGUF) or a .gguf file (`resolve_gguf`); LlmoptError for anything else."""
+        source = resolve_gguf(model)
+        if source is None:
+            raise LlmoptError(f"--engine llama.cpp runs .gguf files; {model!r} is not one "
+                              "(llmopt quantize --method gguf writes them)")
+        return cls(source.path, max_model_len=max_model_len, n_threads=n_threads)
 
     def __init__(self, gguf_path: Path, max_model_len: int | None = None, n_threads: int | None = None):
         try:

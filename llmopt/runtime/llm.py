@@ -6,7 +6,7 @@ import time
 from dataclasses import replace
 from typing import Any, Sequence as Seq
 
-from llmopt.core.loader import LoadedModel
+from llmopt.loader import LoadedModel
 from llmopt.errors import LlmoptError
 from llmopt.runtime.config import EngineConfig
 from llmopt.runtime.engine import LLMEngine, PromptType

@@ -5,10 +5,11 @@ for K and one for V, in the model's dtype or a narrower `kv_dtype` (`--kv-cache-
 Each step the runner turns the scheduler's (sequence, tokens) list into input ids,
 positions, slot mappings and gather indices, and runs one forward.
 Sequences with a single new token (decodes) go first in the batch and share one batched
-attention call; prompt chunks follow. Attention runs on the model's kernel backend
-(`llmopt.model.ops`, chosen at load): the Triton kernels read K/V through the block tables
-and take all prompt chunks of a step in one call; the C++ CPU decode kernel and the PyTorch
-reference attend prompt chunks one sequence at a time.
+attention call; prompt chunks follow. Attention is the paged attention the model's kernel
+backend hands out (`KernelBackend.paged_attention`, `llmopt.model.paged_attention`): the
+Triton kernels read K/V through the block tables and take all prompt chunks of a step in one
+call; the C++ CPU decode kernel and the PyTorch reference attend prompt chunks one sequence
+at a time.
 """
 
 from __future__ import annotations
@@ -17,38 +18,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from llmopt.kernels.cpu_paged_attention import KV_DTYPES as KERNEL_KV_DTYPES, decode_kernel
-from llmopt.kernels.paged_attention import decode_mask, paged_decode_attention, paged_prefill_attention, write_kv
-from llmopt.model.attention import AttentionBackend
 from llmopt.model.llama import LlamaForCausalLM
+from llmopt.model.paged_attention import StepMetadata
 from llmopt.runtime.cpu_decode_plan import build_decode_plan, run_decode_plan
 from llmopt.runtime.sequence import Sequence
-
-
-@dataclass
-class StepMetadata:
-    slot_mapping: torch.Tensor  # [num_tokens] where each new token's K/V go
-    num_decodes: int  # the first num_decodes tokens are single-token sequences
-    decode_block_tables: torch.Tensor | None  # [num_decodes, width] padded block tables
-    decode_lens: torch.Tensor | None  # [num_decodes] keys per decode (incl. the new token)
-    block_size: int = 16
-    dtype: torch.dtype = torch.float32  # the model's (queries', masks') dtype, not necessarily the cache's
-    # per prompt chunk: (start, end) in the batch, its key slots, tokens already cached
-    prefills: list[tuple[int, int, torch.Tensor, int]] = field(default_factory=list)
-    # the prompt chunks as the Triton prefill kernel takes them (after the decodes in the batch):
-    # [chunks, width] int32 block tables, [chunks + 1] int32 boundaries, [chunks] cached tokens
-    prefill_block_tables: torch.Tensor | None = None
-    prefill_cu_seqlens: torch.Tensor | None = None
-    prefill_context_lens: torch.Tensor | None = None
-    max_decode_len: int = 0  # max(decode_lens), known on the host (saves the kernels a device sync)
-    max_prefill_len: int = 0  # the longest prompt chunk
-    _masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
-
-    def decode_mask(self, sliding_window: int | None) -> torch.Tensor:
-        if sliding_window not in self._masks:
-            width = self.decode_block_tables.shape[1] * self.block_size
-            self._masks[sliding_window] = decode_mask(self.decode_lens, width, sliding_window, self.dtype)
-        return self._masks[sliding_window]
 
 
 SCORE_ROWS = 256  # prompt positions per vocabulary projection when scoring a prompt ([256, vocab] fp32 logits)
@@ -64,63 +37,6 @@ class RunnerOutput:
     # (sequence, {token: logprob} per newly scored prompt position, in order) for prompt_logprobs requests
     prompt_logprobs: list[tuple[Sequence, list[dict[int, float]]]] = field(default_factory=list)
     prompts_done: list[Sequence] = field(default_factory=list)  # max_tokens=0 requests whose prompt is scored
-
-
-class PagedAttentionBackend(AttentionBackend):
-    """Attention over the paged pools. `query_dtype` is the model's dtype (default: the pools');
-    the pools may be narrower (write_kv rounds K/V into them, reads widen them back).
-    `kernels`: the model's kernel backend ("cpu", "triton" or "reference", `llmopt.model.ops`)."""
-
-    def __init__(self, k_caches: torch.Tensor, v_caches: torch.Tensor, query_dtype: torch.dtype | None = None,
-                 kernels: str = "reference"):
-        self.k_caches = k_caches  # [layers, slots, kv_heads, head_dim]
-        self.v_caches = v_caches
-        self.metadata: StepMetadata | None = None
-        query_dtype = query_dtype or k_caches.dtype
-        self.triton = None
-        if kernels == "triton":
-            from llmopt.kernels import triton_paged_attention
-
-            self.triton = triton_paged_attention
-        # fp32 queries over an fp32/bf16/fp16 pool on the CPU backend: decode through the C++ kernel
-        # (reads K/V from the pool, no gather, 16-bit rows widened in registers)
-        use_kernel = kernels == "cpu" and query_dtype == torch.float32 and k_caches.dtype in KERNEL_KV_DTYPES
-        self.cpu_decode = decode_kernel() if use_kernel else None
-
-    def _decode(self, q, k_cache, v_cache, md: StepMetadata, sliding_window: int | None) -> torch.Tensor:
-        if self.cpu_decode is not None:
-            return self.cpu_decode(q.contiguous(), k_cache, v_cache, md.decode_block_tables, md.decode_lens,
-                                   md.block_size, q.shape[-1] ** -0.5, -1 if sliding_window is None else sliding_window)
-        return paged_decode_attention(q, k_cache, v_cache, md.decode_block_tables, md.decode_mask(sliding_window))
-
-    def forward(self, layer_idx, q, k, v, sliding_window):
-        md = self.metadata
-        k_cache, v_cache = self.k_caches[layer_idx], self.v_caches[layer_idx]
-        if self.triton is not None:
-            return self._forward_triton(q, k, v, k_cache, v_cache, md, sliding_window)
-        write_kv(k_cache, v_cache, md.slot_mapping, k, v)
-        if not md.prefills:
-            return self._decode(q, k_cache, v_cache, md, sliding_window)
-        out = torch.empty_like(q)
-        n = md.num_decodes
-        if n:
-            out[:n] = self._decode(q[:n], k_cache, v_cache, md, sliding_window)
-        for start, end, slots, context_len in md.prefills:
-            out[start:end] = paged_prefill_attention(q[start:end], k_cache, v_cache, slots, context_len, sliding_window)
-        return out
-
-    def _forward_triton(self, q, k, v, k_cache, v_cache, md: StepMetadata, sliding_window: int | None):
-        t, n, scale = self.triton, md.num_decodes, q.shape[-1] ** -0.5
-        t.write_kv(k_cache, v_cache, md.slot_mapping, k, v)
-        decode = (t.paged_decode_attention(q[:n], k_cache, v_cache, md.decode_block_tables, md.decode_lens,
-                                           md.block_size, scale, sliding_window, max_context_len=md.max_decode_len)
-                  if n else None)
-        if not md.prefills:
-            return decode
-        prefill = t.paged_prefill_attention(q[n:], k_cache, v_cache, md.prefill_block_tables, md.prefill_cu_seqlens,
-                                            md.prefill_context_lens, md.block_size, scale, sliding_window,
-                                            max_query_len=md.max_prefill_len)
-        return prefill if decode is None else torch.cat([decode, prefill])
 
 
 def kv_bytes_per_block(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> int:
@@ -153,11 +69,9 @@ class ModelRunner:
         self.dtype = dtype
         kv_dtype = kv_dtype or dtype
         shape = (cfg.num_hidden_layers, num_blocks * block_size, cfg.num_key_value_heads, cfg.head_dim)
-        self.kernels = model.ops.backend
-        self.attn = PagedAttentionBackend(zeroed(shape, kv_dtype, device), zeroed(shape, kv_dtype, device),
-                                          query_dtype=dtype, kernels=self.kernels)
-        # the Triton kernels index with int32, the C++ decode kernel with int64
-        self.table_dtype = torch.int32 if self.kernels == "triton" else torch.int64
+        self.attn = model.backend.paged_attention(zeroed(shape, kv_dtype, device), zeroed(shape, kv_dtype, device),
+                                                  query_dtype=dtype)
+        self.table_dtype = self.attn.block_table_dtype
         # decode steps on the CPU kernels: all layers in one C++ call (cpu_decode_plan.py)
         self.decode_plan = build_decode_plan(model, kv_dtype) if self.attn.cpu_decode is not None else None
 
@@ -251,7 +165,7 @@ class ModelRunner:
             prefills=prefill_meta,
             max_decode_len=0 if decode_lens is None else int(decode_lens.max()),
         )
-        if prefills and self.kernels == "triton":
+        if prefills and self.attn.needs_prefill_tables:
             self._add_prefill_tables(self.attn.metadata, prefills)
         input_ids, positions_t = torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device)
         hidden = None

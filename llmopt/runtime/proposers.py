@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from llmopt.core.loader import LoadedModel
+from llmopt.loader import LoadedModel
 from llmopt.runtime.model_runner import ModelRunner
 from llmopt.runtime.sequence import Sequence
 

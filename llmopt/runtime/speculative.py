@@ -26,7 +26,7 @@ class SpeculativeConfig:
     `{"model": SPEC, "num_speculative_tokens": 4}` (a draft model; method inferred)."""
 
     method: str | None = None  # "ngram" | "draft_model"; None: "draft_model" when `model` is set
-    model: str | None = None  # the draft model's spec (loaded through llmopt.core.load)
+    model: str | None = None  # the draft model's spec (loaded through llmopt.loader.load)
     num_speculative_tokens: int = 4
     # n-gram (prompt lookup): the longest suffix of n in [min, max] tokens that occurred before
     prompt_lookup_min: int = 2

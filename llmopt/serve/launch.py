@@ -75,7 +75,7 @@ def run_server(args: ServeArgs, announce=print) -> None:
         async_engine = llamacpp = LlamaCppEngine.from_spec(args.model, max_model_len=args.engine.max_model_len)
         description = f"{llamacpp.gguf_path.name}; engine llama.cpp, one request at a time"
     else:
-        from llmopt.core import load
+        from llmopt.loader import load
         from llmopt.runtime.async_engine import AsyncLLM
 
         loaded = load(args.model, dtype=args.engine.dtype, device=args.engine.device)

@@ -1,0 +1,49 @@
+"""`KernelBackend`: what a loaded model runs on, asked once per piece at load (and by the runner).
+
+The base class answers with the plain PyTorch code everywhere; each backend overrides the
+pieces it has kernels for. Model and runner code call what the backend gave them and never
+look at its `name` (kept for logs, reports and tests).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Callable
+
+import torch
+
+from llmopt.core.quantized_weight import QuantizedWeight
+from llmopt.model.linear import LinearBase
+from llmopt.model.ops import REFERENCE_OPS, DecoderOps
+from llmopt.model.paged_attention import PagedAttention
+
+
+class KernelBackend:
+    name: str = "reference"
+
+    def decoder_ops(self, dtype: torch.dtype) -> DecoderOps:
+        """The small per-layer ops (RMSNorm, rope, silu*up) for a model of `dtype`."""
+        return replace(REFERENCE_OPS, backend=self.name)
+
+    def dense_linear_kernels(self, weight: torch.Tensor) -> tuple[Callable | None, torch.Tensor | None]:
+        """(few-row kernel, pre-packed oneDNN weight) a `DenseLinear` holding `weight` runs on;
+        (None, None): `F.linear`."""
+        return None, None
+
+    def int4_linear(self, weight: QuantizedWeight, bias: torch.Tensor | None, dtype: torch.dtype) -> LinearBase | None:
+        """The int4 layer for an AWQ / GPTQ projection of a model of `dtype`, or None where this
+        backend has none for its layout (the loader keeps the dense dequantized weight)."""
+        return None
+
+    def paged_attention(self, k_caches: torch.Tensor, v_caches: torch.Tensor,
+                        query_dtype: torch.dtype) -> PagedAttention:
+        """The model runner's attention over its K/V pools for queries of `query_dtype`."""
+        return PagedAttention(k_caches, v_caches)
+
+    def compact_vocab_projection(self, dtype: torch.dtype) -> str | None:
+        """The compact copy ("int8" | "bf16", `DenseLinear.use_compact_copy`) the vocabulary
+        projection of an int4 model of `dtype` runs on, or None: its plain weight."""
+        return None
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
