@@ -3,6 +3,8 @@ lies below it:
 
     cli                                         the commands
     workflow                                    `llmopt run`: stages of the tools below
+    recipes                                     the recipe file format: sections derived from the
+                                                tools' requests
     quant | eval | bench | serve | plan         the tools; none imports another
     runtime                                     engines, scheduler, model runner
     loader                                      spec -> LoadedModel (our decoder on its kernel backend)
@@ -11,9 +13,9 @@ lies below it:
                                                 tokenizers, checkpoint formats, weights I/O
     kernels                                     C++ / Triton / PyTorch kernels; nothing of llmopt
 
-Leaves anyone may import: `llmopt.errors`, `llmopt` itself (the version), `llmopt.openai_http`
-(the OpenAI wire format: runtime, serve, bench and eval speak it) and `llmopt.recipes` (the
-recipe file format: eval reads its defaults from it, workflow runs whole recipes).
+Leaves anyone may import: `llmopt.errors`, `llmopt.options` (how a request declares its
+options), `llmopt` itself (the version) and `llmopt.openai_http` (the OpenAI wire format:
+runtime, serve, bench and eval speak it).
 
 Checked on the source: every import statement, also those inside functions and relative
 ones, so a lazy import cannot hide an upward dependency.
@@ -28,28 +30,30 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
-LEAVES = {"llmopt", "llmopt.errors"}
-FORMATS = {"llmopt.openai_http", "llmopt.recipes"}
+LEAVES = {"llmopt", "llmopt.errors", "llmopt.options"}
+FORMATS = {"llmopt.openai_http"}
 KERNELS = {"llmopt.kernels"}
 CORE = KERNELS | {"llmopt.core"}  # core needs no kernel; what lies below model, for the sets above it
 MODEL = CORE | {"llmopt.model"}
 LOADER = MODEL | {"llmopt.loader"}
 RUNTIME = LOADER | {"llmopt.runtime"} | FORMATS
 TOOLS = {"llmopt.quant", "llmopt.eval", "llmopt.bench", "llmopt.serve", "llmopt.plan"}
-WORKFLOW = RUNTIME | TOOLS | {"llmopt.workflow"}
+RECIPES = RUNTIME | TOOLS | {"llmopt.recipes"}
+WORKFLOW = RECIPES | {"llmopt.workflow"}
 
 # what each package may import of llmopt besides itself
 ALLOWED: dict[str, set[str]] = {
     "llmopt.kernels": set(),
     "llmopt.errors": set(),
+    "llmopt.options": set(),
     "llmopt.openai_http": LEAVES,
-    "llmopt.recipes": LEAVES,
     "llmopt.core": LEAVES,
     "llmopt.model": LEAVES | CORE,
     "llmopt.loader": LEAVES | MODEL,
     "llmopt.runtime": LEAVES | LOADER | FORMATS,
     **{tool: LEAVES | RUNTIME for tool in TOOLS},
-    "llmopt.workflow": LEAVES | RUNTIME | TOOLS,
+    "llmopt.recipes": LEAVES | RUNTIME | TOOLS,
+    "llmopt.workflow": LEAVES | RECIPES,
     "llmopt.cli": LEAVES | WORKFLOW,
     "llmopt.__main__": {"llmopt.cli"},
 }

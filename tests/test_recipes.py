@@ -76,7 +76,7 @@ def test_dry_run_prints_the_default_recipes_commands(tmp_path):
 
 
 def test_builtin_defaults_are_evals_defaults():
-    from llmopt.eval.recipe import DEFAULTS
+    from llmopt.eval.settings import DEFAULTS
 
     defaults = builtin_defaults().eval
     assert DEFAULTS["gates"] == defaults.gates == ["ppl:+25%", "kld.mean:0.25", "mmlu.acc:-3.0", "humaneval.pass@1:-6.0"]
@@ -84,7 +84,7 @@ def test_builtin_defaults_are_evals_defaults():
 
 
 def test_eval_section_takes_every_eval_setting():
-    from llmopt.eval.recipe import SETTING_NAMES
+    from llmopt.eval.settings import SETTING_NAMES
     from llmopt.recipes.schema import EvalSection
 
     assert SETTING_NAMES <= set(EvalSection.model_fields), SETTING_NAMES - set(EvalSection.model_fields)
@@ -287,7 +287,7 @@ def test_wheel_ships_the_recipe_packages_and_default_gates(tmp_path):
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
                     str(tmp_path), str(ROOT)], check=True, capture_output=True, cwd=tmp_path)
     names = zipfile.ZipFile(next(tmp_path.glob("llmopt-*.whl"))).namelist()
-    assert {"llmopt/recipes/default-gates.yaml", "llmopt/recipes/schema.py", "llmopt/workflow/runner.py",
+    assert {"llmopt/eval/default-gates.yaml", "llmopt/recipes/schema.py", "llmopt/workflow/runner.py",
             "llmopt/cli/run.py"} <= set(names)
     metadata = next(n for n in names if n.endswith("METADATA"))
     requires = zipfile.ZipFile(next(tmp_path.glob("llmopt-*.whl"))).read(metadata).decode()

@@ -42,7 +42,12 @@ def eval_command(
         if json_output:
             print_json(doc)
         return
-    report = run_eval(args.eval_request())
+    recipe_layer = None
+    if args.recipe is not None:
+        from llmopt.recipes.loader import recipe_eval_settings
+
+        recipe_layer = recipe_eval_settings(args.recipe)
+    report = run_eval(args.eval_request(recipe_layer))
     doc = build_document(report)
     lm_doc = None
     if lm_tasks:  # after the built-in tasks, so that a bad gate or data file fails before lm-eval's long run

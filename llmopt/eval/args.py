@@ -2,7 +2,7 @@
 recipe's `eval` section, and the one place they become an `EvalRequest`.
 
 Task settings default to None, meaning "not given": `resolve_settings` layers them over a recipe's
-`eval` section and the built-in defaults (llmopt/recipes/default-gates.yaml), flags winning.
+`eval` section and the built-in defaults (llmopt/eval/default-gates.yaml), flags winning.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ class EvalArgs:
                                             recipe_type=Union[int, float, str])
     gate: Optional[str] = option(
         None, "METRIC:BOUND,... e.g. mmlu.acc:-1.0,kld.mean:0.05,ppl:+5% ('none': no gates) (default with "
-        "--baseline: llmopt/recipes/default-gates.yaml).", "--gate", "-g", recipe="gates")
+        "--baseline: llmopt/eval/default-gates.yaml).", "--gate", "-g", recipe="gates")
     recipe: Optional[Path] = option(None, "A recipe (YAML): its eval section's tasks, gates and options (flags win).",
                                     recipe=None)
     text: Optional[str] = option(
@@ -132,14 +132,12 @@ class EvalArgs:
                 "humaneval_max_tokens": self.humaneval_max_tokens, "timeout": self.timeout}
 
     def eval_request(self, recipe_layer: dict[str, Any] | None = None):
-        """The library's EvalRequest: settings = these flags over `recipe_layer` (default: --recipe's
-        eval section) over the defaults."""
-        from llmopt.eval.recipe import recipe_settings, resolve_settings
+        """The library's EvalRequest: settings = these flags over `recipe_layer` (a recipe's eval settings:
+        `llmopt.recipes.loader.eval_settings`) over the defaults."""
         from llmopt.eval.run import EvalRequest
+        from llmopt.eval.settings import resolve_settings
         from llmopt.eval.tasks import RunOptions
 
-        if recipe_layer is None and self.recipe is not None:
-            recipe_layer = recipe_settings(self.recipe)
         settings = resolve_settings(self.setting_flags(), recipe_layer, has_baseline=self.baseline is not None)
         options = RunOptions(dtype=self.engine.dtype, device=self.engine.device,
                              engine=asdict(self.engine.engine_config()), use_cache=self.use_cache,

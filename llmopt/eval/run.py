@@ -34,7 +34,7 @@ from llmopt.eval.gates import (
     exit_code,
     parse_gates,
 )
-from llmopt.eval.recipe import DEFAULTS, EvalSettings
+from llmopt.eval.settings import DEFAULTS, EvalSettings
 from llmopt.eval.tasks import BASELINE, CANDIDATE, EvalData, ModelRun, RunOptions, limit_count, run_endpoint, run_model
 from llmopt.eval.text import bos_id, load_text, tokenize
 

@@ -29,7 +29,7 @@ from llmopt.eval.humaneval import STOP_SEQUENCES, HumanEvalResult, Problem, Prob
 from llmopt.eval.kld import BaselineStore
 from llmopt.eval.loglikelihood import loglikelihoods
 from llmopt.eval.mmlu import MMLUQuestion, MMLUResult, evaluate_mmlu
-from llmopt.eval.recipe import EvalSettings
+from llmopt.eval.settings import EvalSettings
 from llmopt.eval.text import EvalText, context_bos_id
 from llmopt.eval.textscore import TextScores, score_text
 

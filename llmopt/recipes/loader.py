@@ -20,7 +20,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from llmopt.errors import LlmoptError
-from llmopt.recipes.schema import Recipe
+from llmopt.recipes.schema import EVAL_RUN_KEYS, EvalSection, Recipe
 
 BUILTIN_DEFAULTS = "default-gates.yaml"  # package data: the eval defaults, a partial recipe
 
@@ -140,10 +140,26 @@ def load_recipe(path: Path | str, overrides: list[str] | None = None) -> Recipe:
 
 @cache
 def builtin_defaults() -> Recipe:
-    """llmopt's default eval settings and gates (`llmopt/recipes/default-gates.yaml`)."""
-    ref = resources.files("llmopt.recipes").joinpath(BUILTIN_DEFAULTS)
+    """llmopt's default eval settings and gates (`llmopt/eval/default-gates.yaml`), as a recipe."""
+    ref = resources.files("llmopt.eval").joinpath(BUILTIN_DEFAULTS)
     with resources.as_file(ref) as path:
         return load_recipe(path)
+
+
+def eval_settings(section: EvalSection | None) -> dict[str, Any]:
+    """A recipe's `eval` section as a layer of eval settings (`llmopt.eval.settings.resolve_settings`):
+    the task settings it states, without the run options (baseline, cache, engine)."""
+    if section is None:
+        return {}
+    settings = section.given(*EVAL_RUN_KEYS)
+    if settings.get("gates") in (["none"], ["None"]):
+        settings["gates"] = []  # `gates: none`, as --gate none
+    return settings
+
+
+def recipe_eval_settings(path: Path | str) -> dict[str, Any]:
+    """`llmopt eval --recipe FILE`: the eval settings of a recipe file (model, baseline and engine come from flags)."""
+    return eval_settings(load_recipe(path).eval)
 
 
 # ---------------------------------------------------------------------------- error lines

@@ -134,7 +134,7 @@ class QuantizeSection(section_model("QuantizeOptions", QuantizeRequest)):
 EvalSection = section_model("EvalSection", EvalArgs, gates=(Optional[Gates], None))
 
 
-# The keys of `eval` that are task settings (eval/recipe.py's EvalSettings), not run options.
+# The keys of `eval` that are run options, not task settings (llmopt.eval.settings.EvalSettings).
 EVAL_RUN_KEYS = frozenset({"baseline", "cache", *ENGINE_FLAGS})
 
 

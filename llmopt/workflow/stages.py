@@ -170,7 +170,7 @@ def _quantize_stage(recipe: Recipe, output_dir: Path) -> Stage:
 
 def _eval_stage(recipe: Recipe, output_dir: Path, candidate: str, candidate_from: str) -> Stage:
     from llmopt.eval.args import EvalArgs
-    from llmopt.eval.recipe import recipe_eval_settings
+    from llmopt.recipes.loader import eval_settings
 
     section = recipe.eval
     given = section.given()
@@ -179,7 +179,7 @@ def _eval_stage(recipe: Recipe, output_dir: Path, candidate: str, candidate_from
         baseline = recipe.model.spec  # the unquantized source
     if baseline is not None and baseline.strip().lower() == "none":
         baseline = None
-    settings_layer = recipe_eval_settings(section)  # task settings: the recipe's (as `eval --recipe` reads them)
+    settings_layer = eval_settings(section)  # task settings: the recipe's (as `eval --recipe` reads them)
     run_values = {k: v for k, v in from_recipe(EvalArgs, given).items() if k in EVAL_RUN_OPTIONS}
     run_values.update(_defaults(recipe, given))
     results_path = output_dir / "eval" / "results.json"

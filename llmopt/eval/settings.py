@@ -1,24 +1,25 @@
 """What `llmopt eval` runs: tasks, gates and task options, from built-in defaults, a recipe and flags.
 
 Precedence: a flag given on the command line > the recipe's `eval` section (`--recipe FILE`,
-read by llmopt/recipes like every recipe: `extends`, unknown keys and types checked there) >
-the defaults. Setting names are the flag names with `_` for `-` (`ctx_size`, `mmlu_path`, ...).
+read by llmopt/recipes like every recipe and handed over as a layer of settings) > the defaults.
+Setting names are the flag names with `_` for `-` (`ctx_size`, `mmlu_path`, ...).
 
-`DEFAULTS` is the default task set and gates, read from llmopt/recipes/default-gates.yaml
-(a partial recipe: its comments say why each task and bound was chosen so that the shipped
-data can resolve it).
+`DEFAULTS` is the default task set and gates, read from llmopt/eval/default-gates.yaml (a
+partial recipe, which llmopt/recipes also validates as one: its comments say why each task and
+bound was chosen so that the shipped data can resolve it).
 """
 
 from __future__ import annotations
 
 import math
+from importlib import resources
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from llmopt.errors import LlmoptError
-from llmopt.recipes import builtin_defaults, load_recipe
-from llmopt.recipes.schema import EVAL_RUN_KEYS, EvalSection
 
 TASKS = ("ppl", "kld", "mmlu", "humaneval")
 HUMANEVAL_MODES = ("completion", "chat")
@@ -53,27 +54,17 @@ class EvalSettings:
 SETTING_NAMES = {f.name for f in fields(EvalSettings)} - {"explicit_tasks", "gates_source"}
 
 
+DEFAULT_GATES_FILE = "default-gates.yaml"  # package data of llmopt.eval
+
+
 def _defaults() -> dict[str, Any]:
-    defaults = builtin_defaults()
-    return {"description": defaults.description, **recipe_eval_settings(defaults.eval)}
-
-
-def recipe_eval_settings(section: EvalSection | None) -> dict[str, Any]:
-    """A recipe's `eval` section as settings for `resolve_settings` (keys it left out are absent)."""
-    if section is None:
-        return {}
-    settings = section.given(*EVAL_RUN_KEYS)
-    if settings.get("gates") in (["none"], ["None"]):
-        settings["gates"] = []  # `gates: none`, as --gate none
-    return settings
+    text = resources.files("llmopt.eval").joinpath(DEFAULT_GATES_FILE).read_text(encoding="utf-8")
+    data = yaml.safe_load(text)
+    return {"description": data.get("description"),
+            **{k: v for k, v in (data.get("eval") or {}).items() if v is not None}}
 
 
 DEFAULTS: dict[str, Any] = _defaults()
-
-
-def recipe_settings(path: Path) -> dict[str, Any]:
-    """`llmopt eval --recipe FILE`: the eval settings of a recipe file (model, baseline and engine come from flags)."""
-    return recipe_eval_settings(load_recipe(path).eval)
 
 
 def parse_tasks(value: str | list[str]) -> list[str]:
