@@ -17,7 +17,7 @@ from llmopt.errors import LlmoptError
 if TYPE_CHECKING:
     from llmopt.runtime import SamplingParams
     from llmopt.runtime.outputs import RequestOutput
-    from llmopt.runtime.serving_engine import ServingEngine
+    from llmopt.runtime.engine_protocol import ServingEngine
 
 
 def read_prompts_file(path: Path) -> list[Any]:

@@ -48,7 +48,7 @@ def serve(
     config = engine_args.engine_config()  # bad flags are reported before any model loads
     import uvicorn
 
-    from llmopt.runtime.serving_engine import ServingEngine
+    from llmopt.runtime.engine_protocol import ServingEngine
     from llmopt.serve.app import ServeConfig, build_app
 
     async_engine: ServingEngine

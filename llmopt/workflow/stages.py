@@ -346,8 +346,8 @@ def _bench_serve_stage(recipe: Recipe, output_dir: Path, candidate: str, candida
     def config():
         import os
 
-        from llmopt.bench.serve import ServeBenchConfig
-        from llmopt.bench.serve_metrics import parse_goodput
+        from llmopt.bench.online import ServeBenchConfig
+        from llmopt.bench.online_metrics import parse_goodput
 
         fields = {k: v for k, v in given.items() if k not in ("serve_args", "goodput", "save_detailed", "output_len")}
         if "output_len" in given:
@@ -359,13 +359,13 @@ def _bench_serve_stage(recipe: Recipe, output_dir: Path, candidate: str, candida
                                 **fields)
 
     def check() -> None:
-        from llmopt.bench.serve import check_config
+        from llmopt.bench.online import check_config
 
         check_config(config())
 
     def execute(observer: Observer) -> dict[str, Any]:
-        from llmopt.bench.serve import run_serve_bench
-        from llmopt.bench.serve_report import build_document, write_report
+        from llmopt.bench.online import run_serve_bench
+        from llmopt.bench.online_report import build_document, write_report
 
         _free_memory()
         runs_done = {"n": 0}
