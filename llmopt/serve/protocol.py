@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from llmopt.errors import LlmoptError
 from llmopt.runtime import SamplingParams
-from llmopt.runtime.engine import PromptType
+from llmopt.runtime.engine_protocol import ServingEngine
 from llmopt.runtime.structured_outputs import StructuredOutputsParams
 
 MAX_N = 8
@@ -128,8 +128,8 @@ class SamplingRequest(BaseModel):
     # ---- what the endpoint asks of the engine (each endpoint's fields say it differently) ----
     prompt_field: ClassVar[str]  # the body field holding the prompt, named by errors about it
 
-    def engine_prompts(self) -> list[PromptType]:
-        """The prompts to run, as the engine takes them; `n` choices each."""
+    def tokenized_prompts(self, engine: ServingEngine) -> list[tuple[str | None, list[int]]]:
+        """(text or None, token ids) of each prompt to run, `n` choices each; LlmoptError if one is unusable."""
         raise NotImplementedError
 
     @property
@@ -233,8 +233,9 @@ class ChatCompletionRequest(SamplingRequest):
     def chat_messages(self) -> list[dict[str, str]]:
         return [{"role": m.role, "content": m.text()} for m in self.messages]
 
-    def engine_prompts(self) -> list[PromptType]:
-        return [self.chat_messages()]  # the engine applies the tokenizer's chat template
+    def tokenized_prompts(self, engine: ServingEngine) -> list[tuple[str | None, list[int]]]:
+        text = engine.tokenizer.apply_chat_template(self.chat_messages(), add_generation_prompt=True)
+        return [(text, engine.tokenizer.encode(text, add_special_tokens=False))]
 
     @property
     def max_tokens_wanted(self) -> int | None:
@@ -280,7 +281,10 @@ class CompletionRequest(SamplingRequest):
             return max(wanted)
         return 0 if self.max_tokens == 0 else None
 
-    def engine_prompts(self) -> list[PromptType]:
+    def tokenized_prompts(self, engine: ServingEngine) -> list[tuple[str | None, list[int]]]:
+        return [engine.tokenize_prompt(prompt) for prompt in self.prompts()]
+
+    def prompts(self) -> list[str | list[int]]:
         p = self.prompt
         if isinstance(p, str):
             return [p]

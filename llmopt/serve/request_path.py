@@ -125,7 +125,7 @@ class Serving:
                 logger.warning("ignoring request field %r: llmopt serve does not use it (logged once per name)",
                                field_name)
         try:
-            prompts = [self.engine.tokenize_prompt(prompt) for prompt in body.engine_prompts()]
+            prompts = body.tokenized_prompts(self.engine)
         except LlmoptError as exc:
             raise RequestError(str(exc), param=body.prompt_field) from None
         structured = body.structured()
