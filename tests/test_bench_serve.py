@@ -31,9 +31,9 @@ import pytest
 from llmopt.bench.datasets import BenchRequest
 from llmopt.bench.loadgen import Endpoint, run_load, send_offsets
 from llmopt.bench.results import results_document, write_results
-from llmopt.bench.serve import ServeBenchConfig, parse_sweep, run_serve_bench
+from llmopt.bench.online import ServeBenchConfig, parse_sweep, run_serve_bench
 from llmopt.core import load_tokenizer
-from llmopt.bench.serve_metrics import LATE_SEND_S, RequestResult, compute_metrics, parse_goodput, parse_percentiles
+from llmopt.bench.online_metrics import LATE_SEND_S, RequestResult, compute_metrics, parse_goodput, parse_percentiles
 from llmopt.errors import LlmoptError
 from conftest import assert_usage_error, run_cli
 

@@ -244,7 +244,7 @@ def test_probe_refuses_llama_cpp_pythons_server(tmp_path):
     why = _llama_cpp_runs()
     if why:
         pytest.skip(why)
-    from llmopt.bench.server import launched_server
+    from llmopt.bench.launch_server import launched_server
     from llmopt.core.embedded import default_gguf_path
 
     with launched_server("llama-cpp", str(default_gguf_path()), ["--n_ctx", "2048", "--logits_all", "true"]) as url:

@@ -85,7 +85,7 @@ def test_one_constructor_for_generate_and_serve(tmp_path):
     engines the server drives are `ServingEngine`s."""
     from conftest import assert_usage_error
     from llmopt.runtime.llamacpp_engine import LlamaCppEngine
-    from llmopt.runtime.serving_engine import ServingEngine
+    from llmopt.runtime.engine_protocol import ServingEngine
 
     engine = LlamaCppEngine.from_spec("default", max_model_len=128)
     try:

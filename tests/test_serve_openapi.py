@@ -56,7 +56,7 @@ def fuzz(app, max_examples: int) -> tuple[int, list[str]]:
 def test_openapi_documents_every_body_and_the_error_answers(app):
     from starlette.testclient import TestClient
 
-    from llmopt.runtime.serving_engine import ServingEngine
+    from llmopt.runtime.engine_protocol import ServingEngine
 
     assert isinstance(app.state.serving.engine, ServingEngine)
 

@@ -31,7 +31,7 @@ import httpx
 import numpy as np
 
 from llmopt.bench.datasets import BenchRequest
-from llmopt.bench.serve_metrics import RequestResult
+from llmopt.bench.online_metrics import RequestResult
 
 ENDPOINTS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 

@@ -6,8 +6,8 @@ from pathlib import Path
 from typing import Any
 
 from llmopt.bench.environment import hardware_line
-from llmopt.bench.report import markdown_table, plot_bars
 from llmopt.bench.results import write_results
+from llmopt.bench.tables_and_plots import markdown_table, plot_bars
 from llmopt.core.atomic import atomic_file
 
 

@@ -59,8 +59,8 @@ class BenchServeArgs:
 
     def config(self):
         """The run's ServeBenchConfig; LlmoptError (exit 2) for a bad value."""
-        from llmopt.bench.serve import ServeBenchConfig, check_config
-        from llmopt.bench.serve_metrics import parse_goodput, parse_percentiles
+        from llmopt.bench.online import ServeBenchConfig, check_config
+        from llmopt.bench.online_metrics import parse_goodput, parse_percentiles
 
         try:
             serve_args = shlex.split(self.serve_args)

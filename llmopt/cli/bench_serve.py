@@ -23,10 +23,10 @@ def serve(
     json_output: bool = typer.Option(False, "--json", help="Print results.json on stdout (the table goes to stderr)."),
 ) -> None:
     """Online benchmark of an OpenAI-compatible server: TTFT, TPOT, ITL, latency, throughput, goodput."""
-    from llmopt.bench.report import format_value
+    from llmopt.bench.tables_and_plots import format_value
     from llmopt.bench.results import prepare_output_dir
-    from llmopt.bench.serve import run_serve_bench
-    from llmopt.bench.serve_report import build_document, notes, table_rows, write_report
+    from llmopt.bench.online import run_serve_bench
+    from llmopt.bench.online_report import build_document, notes, table_rows, write_report
 
     # vLLM writes `--goodput ttft:500 tpot:50`: the words after the first arrive as extra arguments
     stray = [a for a in ctx.args if not (args.goodput and ":" in a)]
@@ -89,7 +89,7 @@ def compare(
     """Runs of several `llmopt bench` results side by side, with % change against the first file."""
     from llmopt.bench.compare import compare_files
     from llmopt.bench.environment import hardware_line
-    from llmopt.bench.report import format_value, markdown_table
+    from llmopt.bench.tables_and_plots import format_value, markdown_table
 
     patterns = [m.strip() for m in metrics.split(",") if m.strip()] if metrics else None
     comparison = compare_files(files, patterns)

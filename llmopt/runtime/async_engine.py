@@ -30,6 +30,7 @@ from llmopt.loader import LoadedModel
 from llmopt.errors import LlmoptError
 from llmopt.runtime.config import EngineConfig
 from llmopt.runtime.engine import EngineStats, LLMEngine, PromptType
+from llmopt.runtime.engine_protocol import queued_outputs
 from llmopt.runtime.outputs import RequestOutput
 from llmopt.runtime.sampling_params import SamplingParams
 
@@ -91,22 +92,11 @@ class AsyncLLM:
             self._work.notify()
         return request_id
 
-    async def stream_outputs(self, request_id: str) -> AsyncIterator[RequestOutput]:
+    def stream_outputs(self, request_id: str) -> AsyncIterator[RequestOutput]:
         """Outputs of an added request as tokens arrive; closing early aborts it."""
-        queue = self._sinks[request_id][1]
-        finished = False
-        try:
-            while not finished:
-                item = await queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                finished = item.finished
-                yield item
-        finally:
-            if finished:
-                self._sinks.pop(request_id, None)  # no lock (one dict operation): don't wait for a step
-            else:
-                self.abort(request_id)
+        # forgetting a finished request's sink takes no lock (one dict operation): no wait for a step
+        return queued_outputs(self._sinks[request_id][1], abort=lambda: self.abort(request_id),
+                              finish=lambda: self._sinks.pop(request_id, None))
 
     async def generate(self, prompt: PromptType, params: SamplingParams | None = None,
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:

@@ -101,13 +101,16 @@ class EngineFrontend:
             raise LlmoptError(f"request id {request_id!r} is already in use")
         text, ids = self.tokenize_prompt(prompt)
         n = len(ids)
+        # the one check of the context limit: offline callers and the server (which answers it as
+        # an OpenAI 400 naming `param`) both get it here
         if n >= self.max_model_len:
-            raise LlmoptError(f"the prompt has {n} tokens; max_model_len is {self.max_model_len}")
+            raise LlmoptError(f"the prompt has {n} tokens; the context (max_model_len) is {self.max_model_len}",
+                              param="prompt", code="context_length_exceeded")
         if n + params.max_tokens > self.max_model_len:
             raise LlmoptError(
                 f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) = {n + params.max_tokens} "
-                f"exceeds max_model_len {self.max_model_len}; lower max_tokens to at most {self.max_model_len - n}"
-            )
+                f"exceeds max_model_len {self.max_model_len}; lower max_tokens to at most {self.max_model_len - n}",
+                param="max_tokens")
         seq = Sequence(request_id=request_id, prompt_token_ids=ids, params=params,
                        arrival_time=arrival_time if arrival_time is not None else time.time(), prompt=text)
         seq.detokenizer = IncrementalDetokenizer(
@@ -236,7 +239,7 @@ class LLMEngine(EngineFrontend):
         needed = self.kv.blocks_needed(seq.num_prompt_tokens + seq.params.max_tokens)
         if needed > self.kv.num_blocks:
             raise LlmoptError(f"the request needs {needed} KV blocks but the pool has {self.kv.num_blocks}; "
-                              "raise --kv-cache-memory or lower max_tokens")
+                              "raise --kv-cache-memory or lower max_tokens", param="max_tokens")
         if seq.params.structured_outputs is not None:
             seq.matcher = self.structured_outputs.matcher(seq.params.structured_outputs)
             self.num_constrained += 1

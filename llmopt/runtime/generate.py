@@ -20,7 +20,7 @@ from llmopt.options import group, option
 from llmopt.runtime.engine_args import EngineArgs
 from llmopt.runtime.outputs import RequestOutput
 from llmopt.runtime.sampling_params import SamplingParams
-from llmopt.runtime.serving_engine import ServingEngine
+from llmopt.runtime.engine_protocol import ServingEngine
 
 ENGINES = ("llmopt", "llama.cpp")
 SAMPLING = "Sampling"

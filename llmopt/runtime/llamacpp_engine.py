@@ -25,6 +25,7 @@ from llmopt.core.gguf_file import read_gguf_config, read_gguf_tokenizer
 from llmopt.core.source import resolve_gguf
 from llmopt.errors import LlmoptError
 from llmopt.runtime.engine import EngineFrontend, EngineStats, PromptType, check_stop, make_output
+from llmopt.runtime.engine_protocol import queued_outputs
 from llmopt.runtime.outputs import RequestOutput
 from llmopt.runtime.sampling_params import SamplingParams
 from llmopt.runtime.sequence import Sequence
@@ -85,17 +86,10 @@ class LlamaCppEngine(EngineFrontend):
             self._cv.notify()
         return seq.request_id
 
-    async def stream_outputs(self, request_id: str) -> AsyncIterator[RequestOutput]:
-        queue = self._sinks[request_id][1]
-        finished = False
-        try:
-            while not finished:
-                out = await queue.get()
-                finished = out.finished
-                yield out
-        finally:
-            if not finished:
-                self.abort(request_id)
+    def stream_outputs(self, request_id: str) -> AsyncIterator[RequestOutput]:
+        # the worker forgets a finished request's sink itself (`_emit`)
+        return queued_outputs(self._sinks[request_id][1], abort=lambda: self.abort(request_id),
+                              finish=lambda: None)
 
     def abort(self, request_id: str) -> None:
         with self._cv:

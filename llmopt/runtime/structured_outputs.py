@@ -72,7 +72,7 @@ class StructuredOutputsParams:
         try:
             return grammar_from("grammar", self.grammar)
         except ValueError as exc:
-            raise LlmoptError(f"invalid grammar: {exc}") from None
+            raise LlmoptError(f"invalid grammar: {exc}", param="structured_outputs") from None
 
 
 @dataclass
@@ -103,10 +103,11 @@ class StructuredOutputManager:
         grammar = params.lark_or_grammar()
         is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar, tokenizer)
         if is_error:
-            raise LlmoptError(f"invalid {_kind(params)}: {messages[0] if messages else 'rejected by llguidance'}")
+            raise LlmoptError(f"invalid {_kind(params)}: {messages[0] if messages else 'rejected by llguidance'}",
+                              param="structured_outputs")
         matcher = LLMatcher(tokenizer, grammar, log_level=0)
         if matcher.is_error():
-            raise LlmoptError(f"invalid {_kind(params)}: {matcher.get_error()}")
+            raise LlmoptError(f"invalid {_kind(params)}: {matcher.get_error()}", param="structured_outputs")
         return matcher
 
     def allowed_tokens(self, matcher: Any) -> torch.Tensor:

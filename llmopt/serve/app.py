@@ -25,11 +25,11 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from llmopt import __version__
 from llmopt.errors import LlmoptError
-from llmopt.runtime.serving_engine import ServingEngine
+from llmopt.runtime.engine_protocol import ServingEngine
 from llmopt.serve.metrics import ServerMetrics
 from llmopt.serve.protocol import RequestError, error_body
+from llmopt.serve.request_path import ServeConfig, Serving
 from llmopt.serve.routes import chat, completions, health, models
-from llmopt.serve.serving import ServeConfig, Serving
 
 __all__ = ["ServeConfig", "build_app"]
 

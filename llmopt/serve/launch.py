@@ -65,7 +65,7 @@ def run_server(args: ServeArgs, announce=print) -> None:
         os.execvp(argv[0], argv)  # vLLM owns the process from here (signals, exit code)
     import uvicorn
 
-    from llmopt.runtime.serving_engine import ServingEngine
+    from llmopt.runtime.engine_protocol import ServingEngine
     from llmopt.serve.app import ServeConfig, build_app
 
     async_engine: ServingEngine

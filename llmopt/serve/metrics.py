@@ -10,7 +10,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from llmopt.runtime.async_engine import AsyncLLM
+from llmopt.runtime.engine_protocol import ServingEngine
 from llmopt.runtime.outputs import RequestOutput
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
@@ -20,35 +20,35 @@ ITL_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.
 
 
 class _EngineCollector:
-    def __init__(self, engine: AsyncLLM, model_name: str):
+    def __init__(self, engine: ServingEngine, model_name: str):
         self.engine, self.model_name = engine, model_name
+
+    def _one(self, family: type[GaugeMetricFamily] | type[CounterMetricFamily], name: str, doc: str,
+             value: float) -> GaugeMetricFamily | CounterMetricFamily:
+        """`llmopt:{name}`: one series, labelled with the model's name."""
+        metric = family(f"llmopt:{name}", doc, labels=["model_name"])
+        metric.add_metric([self.model_name], value)
+        return metric
 
     def collect(self):
         s = self.engine.stats()
-        labels = ["model_name"]
-        for name, doc, value in (
-            ("num_requests_running", "Requests being computed.", s.num_requests_running),
-            ("num_requests_waiting", "Requests waiting to be scheduled.", s.num_requests_waiting),
-            ("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1).", s.kv_cache_usage_perc),
+        gauge, counter = GaugeMetricFamily, CounterMetricFamily
+        for family, name, doc, value in (
+            (gauge, "num_requests_running", "Requests being computed.", s.num_requests_running),
+            (gauge, "num_requests_waiting", "Requests waiting to be scheduled.", s.num_requests_waiting),
+            (gauge, "kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1).", s.kv_cache_usage_perc),
+            (counter, "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.prefix_cache_queries),
+            (counter, "prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits),
+            (counter, "num_preemptions", "Requests preempted for lack of KV blocks.", s.num_preemptions),
+            (counter, "prompt_tokens", "Prompt tokens processed.", s.prompt_tokens),
+            (counter, "generation_tokens", "Tokens generated.", s.generation_tokens),
         ):
-            g = GaugeMetricFamily(f"llmopt:{name}", doc, labels=labels)
-            g.add_metric([self.model_name], value)
-            yield g
-        for name, doc, value in (
-            ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.prefix_cache_queries),
-            ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits),
-            ("num_preemptions", "Requests preempted for lack of KV blocks.", s.num_preemptions),
-            ("prompt_tokens", "Prompt tokens processed.", s.prompt_tokens),
-            ("generation_tokens", "Tokens generated.", s.generation_tokens),
-        ):
-            c = CounterMetricFamily(f"llmopt:{name}", doc, labels=labels)
-            c.add_metric([self.model_name], value)
-            yield c
+            yield self._one(family, name, doc, value)
         spec = getattr(s, "spec_decode", None)
         if spec:
-            yield from self._spec_decode(spec, labels)
+            yield from self._spec_decode(spec)
 
-    def _spec_decode(self, spec: dict, labels: list[str]):
+    def _spec_decode(self, spec: dict):
         """vLLM's spec_decode counters, plus gauges for the warnings vLLM does not give."""
         for name, doc in (
             ("num_drafts", "Draft proposals verified."),
@@ -57,11 +57,10 @@ class _EngineCollector:
             ("num_steps_disabled", "Engine steps without proposals (running batch above "
                                    "--speculative-disable-by-batch-size)."),
         ):
-            c = CounterMetricFamily(f"llmopt:spec_decode_{name}", doc, labels=labels)
-            c.add_metric([self.model_name], spec[name])
-            yield c
+            yield self._one(CounterMetricFamily, f"spec_decode_{name}", doc, spec[name])
         per_pos = CounterMetricFamily("llmopt:spec_decode_num_accepted_tokens_per_pos",
-                                      "Draft tokens accepted at each proposal position.", labels=labels + ["position"])
+                                      "Draft tokens accepted at each proposal position.",
+                                      labels=["model_name", "position"])
         for position, count in enumerate(spec["num_accepted_tokens_per_pos"]):
             per_pos.add_metric([self.model_name, str(position)], count)
         yield per_pos
@@ -72,13 +71,11 @@ class _EngineCollector:
             ("disabled_by_batch_size", "1 while the running batch is too big to speculate.",
              float(spec["disabled_by_batch_size"])),
         ):
-            g = GaugeMetricFamily(f"llmopt:spec_decode_{name}", doc, labels=labels)
-            g.add_metric([self.model_name], value)
-            yield g
+            yield self._one(GaugeMetricFamily, f"spec_decode_{name}", doc, value)
 
 
 class ServerMetrics:
-    def __init__(self, engine: AsyncLLM, model_name: str):
+    def __init__(self, engine: ServingEngine, model_name: str):
         self.model_name = model_name
         self.registry = CollectorRegistry()
         self.registry.register(_EngineCollector(engine, model_name))

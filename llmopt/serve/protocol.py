@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from llmopt.errors import LlmoptError
 from llmopt.runtime import SamplingParams
+from llmopt.runtime.engine_protocol import ServingEngine
 from llmopt.runtime.structured_outputs import StructuredOutputsParams
 
 MAX_N = 8
@@ -124,8 +125,39 @@ class SamplingRequest(BaseModel):
         raise RequestError(f"response_format type {fmt.get('type')!r} is not supported; use text, json_object "
                            "or json_schema", param="response_format")
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None, index: int,
-                        prompt_logprobs: int | None = None) -> SamplingParams:
+    # ---- what the endpoint asks of the engine (each endpoint's fields say it differently) ----
+    prompt_field: ClassVar[str]  # the body field holding the prompt, named by errors about it
+
+    def tokenized_prompts(self, engine: ServingEngine) -> list[tuple[str | None, list[int]]]:
+        """(text or None, token ids) of each prompt to run, `n` choices each; LlmoptError if one is unusable."""
+        raise NotImplementedError
+
+    @property
+    def max_tokens_wanted(self) -> int | None:
+        """The output limit asked for; None: whatever context the prompt leaves."""
+        return self.max_tokens
+
+    @property
+    def logprobs_wanted(self) -> int | None:
+        """How many top alternatives each output token needs, or None for no logprobs."""
+        return None
+
+    @property
+    def prompt_logprobs_wanted(self) -> int | None:
+        """How many top alternatives each prompt position needs, or None."""
+        return None
+
+    def param(self, engine_field: str | None) -> str | None:
+        """The body field behind an engine field an error names (`LlmoptError.param`)."""
+        if engine_field == "prompt":
+            return self.prompt_field
+        if engine_field == "structured_outputs" and self.structured_outputs is None:
+            return "response_format"
+        return engine_field
+
+    def sampling_params(self, max_tokens: int, index: int,
+                        structured: StructuredOutputsParams | None) -> SamplingParams:
+        """Choice `index`'s parameters; `structured` is `self.structured()`, worked out once per request."""
         # n > 1 draws independent samples: with a seed, sample i uses seed + i
         seed = None if self.seed is None else self.seed + index
         try:
@@ -133,8 +165,9 @@ class SamplingRequest(BaseModel):
                 max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
                 min_p=self.min_p, seed=seed, stop=self.stop, presence_penalty=self.presence_penalty,
                 frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
-                min_tokens=min(self.min_tokens, max_tokens), ignore_eos=self.ignore_eos, logprobs=logprobs,
-                prompt_logprobs=prompt_logprobs, structured_outputs=self.structured(),
+                min_tokens=min(self.min_tokens, max_tokens), ignore_eos=self.ignore_eos,
+                logprobs=self.logprobs_wanted, prompt_logprobs=self.prompt_logprobs_wanted,
+                structured_outputs=structured,
             )
         except LlmoptError as exc:
             raise RequestError(str(exc)) from None
@@ -195,8 +228,22 @@ class ChatCompletionRequest(SamplingRequest):
     # vLLM scores chat prompts too; llmopt only on /v1/completions
     refused: ClassVar[tuple[str, ...]] = (*UNSUPPORTED_FIELDS, "prompt_logprobs", "echo")
 
+    prompt_field: ClassVar[str] = "messages"
+
     def chat_messages(self) -> list[dict[str, str]]:
         return [{"role": m.role, "content": m.text()} for m in self.messages]
+
+    def tokenized_prompts(self, engine: ServingEngine) -> list[tuple[str | None, list[int]]]:
+        text = engine.tokenizer.apply_chat_template(self.chat_messages(), add_generation_prompt=True)
+        return [(text, engine.tokenizer.encode(text, add_special_tokens=False))]
+
+    @property
+    def max_tokens_wanted(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    @property
+    def logprobs_wanted(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class CompletionRequest(SamplingRequest):
@@ -215,14 +262,27 @@ class CompletionRequest(SamplingRequest):
     logprobs: int | None = Field(default=None, ge=0, le=20)
     prompt_logprobs: int | None = Field(default=None, ge=0, le=20)  # vLLM's extra parameter
 
+    prompt_field: ClassVar[str] = "prompt"
+
+    @property
+    def max_tokens_wanted(self) -> int:
+        return 16 if self.max_tokens is None else self.max_tokens  # OpenAI's default
+
+    @property
+    def logprobs_wanted(self) -> int | None:
+        return self.logprobs
+
     @property
     def prompt_logprobs_wanted(self) -> int | None:
-        """How many top alternatives each prompt position needs, or None: echo + logprobs (OpenAI),
-        prompt_logprobs (vLLM), or 0 when max_tokens is 0 (the request is only a prefill)."""
+        """echo + logprobs (OpenAI), prompt_logprobs (vLLM), or 0 when max_tokens is 0 (the request
+        is only a prefill)."""
         wanted = [n for n in (self.logprobs if self.echo else None, self.prompt_logprobs) if n is not None]
         if wanted:
             return max(wanted)
         return 0 if self.max_tokens == 0 else None
+
+    def tokenized_prompts(self, engine: ServingEngine) -> list[tuple[str | None, list[int]]]:
+        return [engine.tokenize_prompt(prompt) for prompt in self.prompts()]
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt

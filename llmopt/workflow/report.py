@@ -13,7 +13,7 @@ import shlex
 from pathlib import Path
 from typing import Any
 
-from llmopt.bench.report import markdown_table
+from llmopt.bench.tables_and_plots import markdown_table
 from llmopt.core.atomic import atomic_file
 from llmopt.workflow.stages import BENCH_SERVE, ERROR, EVAL, GATE_FAILED, LATENCY, QUANTIZE, REUSED, SERVE, THROUGHPUT
 

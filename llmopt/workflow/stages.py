@@ -291,8 +291,8 @@ def _bench_serve_stage(recipe: Recipe, output_dir: Path, candidate: str, candida
         args.config()
 
     def execute(observer: Observer) -> dict[str, Any]:
-        from llmopt.bench.serve import run_serve_bench
-        from llmopt.bench.serve_report import build_document, write_report
+        from llmopt.bench.online import run_serve_bench
+        from llmopt.bench.online_report import build_document, write_report
 
         _free_memory()
         runs_done = {"n": 0}

@@ -6,7 +6,7 @@ from fastapi import APIRouter
 from fastapi.responses import Response
 
 from llmopt import __version__
-from llmopt.serve.serving import ServingDep
+from llmopt.serve.request_path import ServingDep
 
 router = APIRouter(tags=["health"])
 

@@ -7,7 +7,7 @@ from typing import Any
 from fastapi import APIRouter
 
 from llmopt.serve.protocol import ERROR_RESPONSES, DetokenizeRequest, RequestError, TokenizeRequest
-from llmopt.serve.serving import ServingDep
+from llmopt.serve.request_path import ServingDep
 
 router = APIRouter(tags=["models"])
 # /tokenize and /detokenize name no model and sit outside /v1 (no API key): only a bad body is refused

@@ -1,13 +1,15 @@
 """`ServingEngine`: the surface the HTTP server (and `llmopt generate --engine llama.cpp`) drives.
 
 `AsyncLLM` (the paged runtime) and `LlamaCppEngine` (llama-cpp-python) both have it; the
-server depends on this protocol, not on either class. A leaf module: the engine types are
-imported for annotations only.
+server depends on this protocol, not on either class. Both hand a request's outputs to its
+consumer through an asyncio queue, read by `queued_outputs`. A leaf module: the engine types
+are imported for annotations only.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import asyncio
+from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
@@ -48,3 +50,22 @@ class ServingEngine(Protocol):
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the engine's thread; the server calls this after its graceful shutdown."""
         ...
+
+
+async def queued_outputs(queue: asyncio.Queue, abort: Callable[[], None],
+                         finish: Callable[[], None]) -> AsyncIterator[RequestOutput]:
+    """`stream_outputs` for an engine that puts a request's outputs into `queue` (an exception put
+    there is raised): items until the finished output, then `finish()`; closing early calls `abort()`."""
+    finished = False
+    try:
+        while not finished:
+            item = await queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            finished = item.finished
+            yield item
+    finally:
+        if finished:
+            finish()
+        else:
+            abort()

@@ -3,7 +3,7 @@
 `run_serve_bench(config)` probes (or launches) the server, builds the workload with
 `datasets.make_workload`, sends `num_warmups` unmeasured requests, then runs every load point
 (`--sweep concurrency=1,4,16` or `rate=1,2,4`, else the one point the flags give) with
-`loadgen.run_load` and turns each into figures with `serve_metrics.compute_metrics`. The same
+`loadgen.run_load` and turns each into figures with `online_metrics.compute_metrics`. The same
 workload (same seed) runs at every point.
 """
 
@@ -18,9 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from llmopt.bench.datasets import BenchRequest, make_workload
+from llmopt.bench.launch_server import LAUNCHERS, launched_server
 from llmopt.bench.loadgen import ENDPOINTS, Endpoint, run_load
-from llmopt.bench.serve_metrics import RequestResult, compute_metrics
-from llmopt.bench.server import LAUNCHERS, launched_server
+from llmopt.bench.online_metrics import RequestResult, compute_metrics
 from llmopt.openai_http import base_url, probe
 from llmopt.core import load_tokenizer
 from llmopt.errors import LlmoptError

@@ -7,10 +7,10 @@ from pathlib import Path
 from typing import Any
 
 from llmopt.bench.environment import collect_metadata, hardware_line
-from llmopt.bench.report import markdown_table, plot_cdf, plot_lines, plot_scatter
+from llmopt.bench.online import ServeBenchConfig, ServeRun, detailed
+from llmopt.bench.online_metrics import LATE_SEND_S, LATENCY_METRICS, percentile_key
 from llmopt.bench.results import results_document, write_results
-from llmopt.bench.serve import ServeBenchConfig, ServeRun, detailed
-from llmopt.bench.serve_metrics import LATE_SEND_S, LATENCY_METRICS, percentile_key
+from llmopt.bench.tables_and_plots import markdown_table, plot_cdf, plot_lines, plot_scatter
 from llmopt.core.atomic import atomic_file
 
 # A busy shared machine delays a 10 ms timer by several ms now and then; beyond this it is worth a word.
