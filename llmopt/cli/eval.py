@@ -84,14 +84,9 @@ def eval_command(
     """Score MODEL (and --baseline) on ppl/kld/mmlu/humaneval and judge quality gates: exit 1 if one fails
     significantly (with --strict, also if one is inconclusive)."""
     from llmopt.eval.recipe import recipe_settings, resolve_settings
-    from llmopt.eval.report import (
-        build_document,
-        kld_summary_lines,
-        render_table,
-        summary_lines,
-        write_json,
-        write_samples,
-    )
+    from llmopt.eval.report.document import build_document, write_json
+    from llmopt.eval.report.samples import write_samples
+    from llmopt.eval.report.table import kld_summary_lines, render_table, summary_lines
     from llmopt.eval.run import EvalRequest, run_eval
     from llmopt.eval.tasks import RunOptions
 
@@ -210,8 +205,9 @@ def _run_lm_eval(model: str, tasks: list[str], include_path: Path | None, num_fe
     import json
 
     from llmopt.core import load
-    from llmopt.eval.lm_eval_adapter import evaluate_tasks
-    from llmopt.eval.report import samples_path, write_json
+    from llmopt.eval.metrics.lm_eval_adapter import evaluate_tasks
+    from llmopt.eval.report.document import write_json
+    from llmopt.eval.report.samples import samples_path
 
     loaded = load(model, dtype=dtype, device=device)
     out = evaluate_tasks(loaded, tasks, include_path=str(include_path) if include_path else None,

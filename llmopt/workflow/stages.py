@@ -206,7 +206,7 @@ def _eval_stage(recipe: Recipe, output_dir: Path, candidate: str, candidate_from
         _engine_config(engine_given)
 
     def execute(observer: Observer) -> dict[str, Any]:
-        from llmopt.eval.report import build_document, write_json
+        from llmopt.eval.report.document import build_document, write_json
         from llmopt.eval.run import EvalRequest, run_eval
         from llmopt.eval.tasks import RunOptions
 
