@@ -15,8 +15,8 @@ from lm_eval.tasks import TaskManager  # noqa: E402
 
 from llmopt.core import load  # noqa: E402
 from llmopt.eval.metrics.lm_eval_adapter import LlmoptLM  # noqa: E402
-from llmopt.eval.metrics.mmlu import evaluate_mmlu, load_mmlu  # noqa: E402
 from llmopt.eval.metrics.loglikelihood import loglikelihoods  # noqa: E402
+from llmopt.eval.metrics.mmlu import evaluate_mmlu, load_mmlu  # noqa: E402
 
 MMLU_YAML = """\
 task: llmopt_local_mmlu

@@ -26,9 +26,9 @@ from llmopt.eval.gates import stats
 from llmopt.eval.gates.judge import Bootstrap, MetricSamples, display_kind, evaluate_gates
 from llmopt.eval.gates.spec import ABSOLUTE, Gate, parse_gates
 from llmopt.eval.gates.verdict import GateResult, exit_code
+from llmopt.eval.metrics.text import bos_id, load_text, tokenize
 from llmopt.eval.recipe import DEFAULTS, EvalSettings
 from llmopt.eval.tasks import BASELINE, CANDIDATE, EvalData, ModelRun, RunOptions, limit_count, run_endpoint, run_model
-from llmopt.eval.metrics.text import bos_id, load_text, tokenize
 
 if TYPE_CHECKING:
     from llmopt.eval.endpoint import EndpointConfig

@@ -29,9 +29,9 @@ from llmopt.eval.metrics.humaneval import STOP_SEQUENCES, HumanEvalResult, Probl
 from llmopt.eval.metrics.kld import BaselineStore
 from llmopt.eval.metrics.loglikelihood import loglikelihoods
 from llmopt.eval.metrics.mmlu import MMLUQuestion, MMLUResult, evaluate_mmlu
-from llmopt.eval.recipe import EvalSettings
 from llmopt.eval.metrics.text import EvalText, context_bos_id
 from llmopt.eval.metrics.textscore import TextScores, score_text
+from llmopt.eval.recipe import EvalSettings
 
 log = logging.getLogger("llmopt.eval")
 

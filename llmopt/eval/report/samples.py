@@ -11,9 +11,9 @@ from pathlib import Path
 from typing import Any
 
 from llmopt.core.atomic import atomic_file
+from llmopt.eval.metrics.windows import plan_chunks
 from llmopt.eval.run import EvalReport
 from llmopt.eval.tasks import ModelRun
-from llmopt.eval.metrics.windows import plan_chunks
 
 
 def samples_path(output: Path, task: str) -> Path:
