@@ -32,7 +32,7 @@ from llmopt.errors import LlmoptError
 from llmopt.eval.gates import stats
 from llmopt.eval.gates.format import gate_note
 from llmopt.eval.gates.metric_info import canonical_metric
-from llmopt.eval.gates.spec import ABSOLUTE, RELATIVE, Gate
+from llmopt.eval.gates.spec import ABSOLUTE, CHANGE, RELATIVE, Gate
 from llmopt.eval.gates.verdict import FAIL, INCONCLUSIVE, PASS, GateResult
 
 
