@@ -38,7 +38,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from llmopt.errors import LlmoptError  # noqa: E402
-from llmopt.eval.mmlu import BUNDLED_DEV, BUNDLED_TEST, SUBJECTS, MMLUQuestion, load_mmlu  # noqa: E402
+from llmopt.eval.metrics.mmlu import BUNDLED_DEV, BUNDLED_TEST, SUBJECTS, MMLUQuestion, load_mmlu  # noqa: E402
 
 
 def stratified_subset(questions: list[MMLUQuestion], per_subject: int, seed: int) -> list[MMLUQuestion]:

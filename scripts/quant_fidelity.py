@@ -16,7 +16,7 @@ import time
 import torch
 
 from llmopt.loader import load
-from llmopt.eval.kld import kl_divergence
+from llmopt.eval.metrics.textscore import kl_divergence
 
 
 def heldout_text(path: str, offset: int, max_chars: int) -> str:

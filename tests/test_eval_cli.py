@@ -117,7 +117,7 @@ def test_loglikelihood_fast_and_general_paths_match_a_forward(tiny_models):
     from transformers import AutoModelForCausalLM
 
     from llmopt.loader import load
-    from llmopt.eval.loglikelihood import loglikelihoods, plan_jobs
+    from llmopt.eval.metrics.loglikelihood import loglikelihoods, plan_jobs
 
     loaded = load(str(tiny_models["llama"]))
     single = [("Question: the answer is", " t"), ("Question: the answer is", "x"), ("", "the")]  # one token each

@@ -143,7 +143,7 @@ class FakeServer:
 
     def logprobs(self, ids: list[int]) -> torch.Tensor:
         """[len(ids), vocab] log-softmax rows: row i predicts token i + 1."""
-        from llmopt.eval.loglikelihood import PackedAttention
+        from llmopt.eval.metrics.loglikelihood import PackedAttention
 
         with torch.inference_mode():
             hidden = self.loaded.model(torch.tensor(ids), torch.arange(len(ids)), PackedAttention([len(ids)]))

@@ -10,20 +10,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from llmopt.errors import LlmoptError
-from llmopt.eval.gates import (
-    ABSOLUTE,
-    CHANGE,
-    FAIL,
-    INCONCLUSIVE,
-    PASS,
-    RELATIVE,
-    Bootstrap,
-    MetricSamples,
-    evaluate_gates,
-    exit_code,
-    parse_gates,
-)
-from llmopt.eval.stats import MIN_UNITS, bootstrap_ci, mean_stderr, paired_bootstrap_ci, token_block
+from llmopt.eval.gates.judge import Bootstrap, MetricSamples, evaluate_gates
+from llmopt.eval.gates.spec import ABSOLUTE, CHANGE, RELATIVE, parse_gates
+from llmopt.eval.gates.verdict import FAIL, INCONCLUSIVE, PASS, exit_code
+from llmopt.eval.gates.stats import MIN_UNITS, bootstrap_ci, mean_stderr, paired_bootstrap_ci, token_block
 
 
 def paired_accuracy(n: int, base_correct: int, lost: int, gained: int, seed: int = 0):

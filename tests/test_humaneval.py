@@ -13,8 +13,8 @@ from fractions import Fraction
 import pytest
 
 from llmopt.errors import LlmoptError
-from llmopt.eval import humaneval
-from llmopt.eval.humaneval import (
+from llmopt.eval.metrics import humaneval
+from llmopt.eval.metrics.humaneval import (
     STOP_SEQUENCES,
     Problem,
     build_program,
@@ -204,7 +204,7 @@ def test_pass_at_k_over_problems_with_crashing_samples(problems, caplog):
             wrong,
         ],
     }
-    caplog.set_level(logging.WARNING, logger="llmopt.eval.humaneval")
+    caplog.set_level(logging.WARNING, logger="llmopt.eval.metrics.humaneval")
     result = score([a, b], completions, ks=(1, 2, 5), timeout_s=1.0, memory_mb=MEMORY_MB, workers=2)
     assert [(p.task_id, p.n, p.c) for p in result.problems] == [(a.task_id, 5, 2), (b.task_id, 5, 0)]
     assert result.pass_at_k == {1: pytest.approx(0.2), 2: pytest.approx(0.35), 5: pytest.approx(0.5)}

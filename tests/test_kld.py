@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from llmopt.eval.kld import STORE_DTYPE, kld_logprobs, position_stats, summarize
+from llmopt.eval.metrics.kld import STORE_DTYPE, kld_logprobs, position_stats, summarize
 
 
 def _llama_cpp_summary(base_logits: np.ndarray, cand_logits: np.ndarray, tokens: np.ndarray) -> dict:
@@ -180,7 +180,7 @@ def test_the_float16_store_reproduces_the_full_precision_kld():
 
 def test_topk_kld_is_a_lower_bound_and_exact_when_the_known_tokens_hold_all_the_mass():
     """An endpoint's KLD from the candidate's top-k + a tail bucket (kld.topk_position_stats)."""
-    from llmopt.eval.kld import topk_position_stats
+    from llmopt.eval.metrics.kld import topk_position_stats
 
     gen = torch.Generator().manual_seed(0)
     vocab, rows = 50, 40

@@ -14,9 +14,9 @@ lm_eval = pytest.importorskip("lm_eval", reason="lm-eval is an optional extra (p
 from lm_eval.tasks import TaskManager  # noqa: E402
 
 from llmopt.loader import load  # noqa: E402
-from llmopt.eval.lm_eval_adapter import LlmoptLM  # noqa: E402
-from llmopt.eval.mmlu import evaluate_mmlu, load_mmlu  # noqa: E402
-from llmopt.eval.loglikelihood import loglikelihoods  # noqa: E402
+from llmopt.eval.metrics.lm_eval_adapter import LlmoptLM  # noqa: E402
+from llmopt.eval.metrics.loglikelihood import loglikelihoods  # noqa: E402
+from llmopt.eval.metrics.mmlu import evaluate_mmlu, load_mmlu  # noqa: E402
 
 MMLU_YAML = """\
 task: llmopt_local_mmlu
@@ -114,7 +114,7 @@ def test_local_mmlu_yaml_through_the_adapter_equals_the_built_in_mmlu(model, tmp
 
 
 def built_in_loglikelihoods(model, questions):
-    from llmopt.eval.mmlu import build_requests
+    from llmopt.eval.metrics.mmlu import build_requests
 
     pairs = [(r.context, c) for r in build_requests(questions) for c in r.continuations]
     flat = loglikelihoods(model, pairs)

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from llmopt.errors import LlmoptError
-from llmopt.eval import mmlu
-from llmopt.eval.mmlu import (
+from llmopt.eval.metrics import mmlu
+from llmopt.eval.metrics.mmlu import (
     GROUPS,
     SUBJECTS,
     MMLUQuestion,
@@ -380,8 +380,8 @@ def test_contexts_get_bos_as_lm_eval_adds_it():
 
     from conftest import make_byte_tokenizer
     from llmopt.core.tokenizer import Tokenizer
-    from llmopt.eval.loglikelihood import encode_pairs
-    from llmopt.eval.text import context_bos_id
+    from llmopt.eval.metrics.loglikelihood import encode_pairs
+    from llmopt.eval.metrics.text import context_bos_id
 
     plain = Tokenizer(backend=make_byte_tokenizer(), bos_token="<|im_start|>", eos_token="<|im_end|>")
     backend = make_byte_tokenizer()

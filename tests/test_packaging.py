@@ -31,6 +31,10 @@ def test_wheel_maps_kernels_under_llmopt(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     assert "llmopt/kernels/__init__.py" in names
     assert "llmopt/loader/model_loader.py" in names
+    # every package under llmopt/ is listed in pyproject.toml, and eval's data files come along
+    packages = {str(p.relative_to(ROOT)) for p in (ROOT / "llmopt").glob("**/__init__.py") if "kernels" not in p.parts}
+    assert packages - set(names) == set()
+    assert {"llmopt/eval/data/mmlu_subset.jsonl.gz", "llmopt/eval/data/mmlu_dev.jsonl.gz"} <= set(names)
     assert not any(n.startswith("kernels/") for n in names)
     entry = [n for n in names if n.endswith("entry_points.txt")]
     text = zipfile.ZipFile(wheel).read(entry[0]).decode()

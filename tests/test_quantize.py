@@ -13,7 +13,7 @@ import torch
 from conftest import assert_usage_error, read_config, run_cli
 from llmopt.loader import load
 from llmopt.errors import LlmoptError
-from llmopt.eval.kld import kl_divergence
+from llmopt.eval.metrics.textscore import kl_divergence
 from llmopt.quant.calibration import load_calibration
 from llmopt.quant.quantize import QuantizeRequest, hf_state_dict, quantize
 

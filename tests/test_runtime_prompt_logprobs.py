@@ -8,7 +8,7 @@ import torch
 
 from llmopt.loader import load
 from llmopt.errors import LlmoptError
-from llmopt.eval.loglikelihood import PackedAttention
+from llmopt.eval.metrics.loglikelihood import PackedAttention
 from llmopt.runtime import SamplingParams
 from llmopt.runtime.llm import LLM
 

@@ -13,8 +13,8 @@ from types import SimpleNamespace
 import pytest
 
 from llmopt.errors import LlmoptError
-from llmopt.eval import sandbox
-from llmopt.eval.sandbox import ExecResult, run_program, run_programs
+from llmopt.eval.sandbox import runner as sandbox
+from llmopt.eval.sandbox.runner import ExecResult, run_program, run_programs
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="containment checks read /proc")
 

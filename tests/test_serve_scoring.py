@@ -7,8 +7,8 @@ import pytest
 from starlette.testclient import TestClient
 
 from llmopt.loader import load
-from llmopt.eval.loglikelihood import encode_pair, loglikelihoods
-from llmopt.eval.mmlu import apply_limit, build_requests, load_mmlu, score_mmlu
+from llmopt.eval.metrics.loglikelihood import encode_pair, loglikelihoods
+from llmopt.eval.metrics.mmlu import apply_limit, build_requests, load_mmlu, score_mmlu
 from llmopt.runtime.async_engine import AsyncLLM
 from llmopt.serve.app import ServeConfig, build_app
 

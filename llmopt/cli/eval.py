@@ -26,8 +26,9 @@ def eval_command(
 ) -> None:
     """Score MODEL (and --baseline) on ppl/kld/mmlu/humaneval and judge quality gates: exit 1 if one fails
     significantly (with --strict, also if one is inconclusive)."""
-    from llmopt.eval.report import build_document, kld_summary_lines, render_table, summary_lines, write_json, \
-        write_samples
+    from llmopt.eval.report.document import build_document, write_json
+    from llmopt.eval.report.samples import write_samples
+    from llmopt.eval.report.table import kld_summary_lines, render_table, summary_lines
     from llmopt.eval.run import run_eval
 
     if log_samples and output is None:
@@ -87,9 +88,10 @@ def _run_lm_eval(args: EvalArgs, output: Path | None, log_samples: bool, samples
     samples as lm-eval's per-task JSONL files beside the report (`samples_<task>.jsonl`)."""
     import json
 
+    from llmopt.eval.metrics.lm_eval_adapter import evaluate_tasks
+    from llmopt.eval.report.document import write_json
+    from llmopt.eval.report.samples import samples_path
     from llmopt.loader import load
-    from llmopt.eval.lm_eval_adapter import evaluate_tasks
-    from llmopt.eval.report import samples_path, write_json
 
     model = args.model
     loaded = load(model, dtype=args.engine.dtype, device=args.engine.device)

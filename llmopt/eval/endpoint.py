@@ -47,10 +47,10 @@ import numpy as np
 import torch
 
 from llmopt.errors import LlmoptError
-from llmopt.eval.kld import kld_logprobs, summarize, topk_position_stats
-from llmopt.eval.loglikelihood import encode_pairs
-from llmopt.eval.textscore import CHUNK_ROWS, TextScores
-from llmopt.eval.windows import chunk_prompt, plan_chunks
+from llmopt.eval.metrics.kld import kld_logprobs, summarize, topk_position_stats
+from llmopt.eval.metrics.loglikelihood import encode_pairs
+from llmopt.eval.metrics.textscore import CHUNK_ROWS, TextScores
+from llmopt.eval.metrics.windows import chunk_prompt, plan_chunks
 from llmopt.openai_http import auth_headers, probe
 
 log = logging.getLogger("llmopt.eval")

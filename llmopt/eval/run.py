@@ -22,21 +22,13 @@ import numpy as np
 from llmopt.core.source import ModelSource, resolve
 from llmopt.core import load_tokenizer
 from llmopt.errors import LlmoptError
-from llmopt.eval import stats
-from llmopt.eval.gates import (
-    ABSOLUTE,
-    Bootstrap,
-    Gate,
-    GateResult,
-    MetricSamples,
-    display_kind,
-    evaluate_gates,
-    exit_code,
-    parse_gates,
-)
+from llmopt.eval.gates import stats
+from llmopt.eval.gates.judge import Bootstrap, MetricSamples, display_kind, evaluate_gates
+from llmopt.eval.gates.spec import ABSOLUTE, Gate, parse_gates
+from llmopt.eval.gates.verdict import GateResult, exit_code
+from llmopt.eval.metrics.text import bos_id, load_text, tokenize
 from llmopt.eval.settings import DEFAULTS, EvalSettings
 from llmopt.eval.tasks import BASELINE, CANDIDATE, EvalData, ModelRun, RunOptions, limit_count, run_endpoint, run_model
-from llmopt.eval.text import bos_id, load_text, tokenize
 
 if TYPE_CHECKING:
     from llmopt.eval.endpoint import EndpointConfig
@@ -127,7 +119,7 @@ def load_data(s: EvalSettings, tokenizer) -> EvalData:
         data.ids = tokenize(tokenizer, data.text, s.ctx_size, s.chunks)
         data.bos_id = bos_id(tokenizer)
     if "mmlu" in s.tasks:
-        from llmopt.eval.mmlu import apply_limit, build_requests, load_mmlu
+        from llmopt.eval.metrics.mmlu import apply_limit, build_requests, load_mmlu
 
         questions = load_mmlu(s.mmlu_path)
         data.mmlu_total = len(questions)
@@ -135,7 +127,7 @@ def load_data(s: EvalSettings, tokenizer) -> EvalData:
         data.mmlu_dev = load_mmlu(s.mmlu_path, split="dev") if s.num_fewshot > 0 else None
         build_requests(data.mmlu, s.num_fewshot, data.mmlu_dev)  # few-shot errors now, not after the baseline
     if "humaneval" in s.tasks:
-        from llmopt.eval.humaneval import load_problems
+        from llmopt.eval.metrics.humaneval import load_problems
 
         problems = load_problems()
         data.problems_total = len(problems)

@@ -25,13 +25,13 @@ from llmopt.core import load_tokenizer
 from llmopt.core.source import ModelSource
 from llmopt.errors import LlmoptError
 from llmopt.eval import cache
-from llmopt.eval.humaneval import STOP_SEQUENCES, HumanEvalResult, Problem, ProblemResult, SampleResult, chat_messages, score
-from llmopt.eval.kld import BaselineStore
-from llmopt.eval.loglikelihood import loglikelihoods
-from llmopt.eval.mmlu import MMLUQuestion, MMLUResult, evaluate_mmlu
+from llmopt.eval.metrics.humaneval import STOP_SEQUENCES, HumanEvalResult, Problem, ProblemResult, SampleResult, chat_messages, score
+from llmopt.eval.metrics.kld import BaselineStore
+from llmopt.eval.metrics.loglikelihood import loglikelihoods
+from llmopt.eval.metrics.mmlu import MMLUQuestion, MMLUResult, evaluate_mmlu
+from llmopt.eval.metrics.text import EvalText, context_bos_id
+from llmopt.eval.metrics.textscore import TextScores, score_text
 from llmopt.eval.settings import EvalSettings
-from llmopt.eval.text import EvalText, context_bos_id
-from llmopt.eval.textscore import TextScores, score_text
 
 log = logging.getLogger("llmopt.eval")
 

@@ -12,7 +12,7 @@ meaning (method names, gate syntax, ...) by the library that runs them, before a
                           are every stage's default)
     quantize              `llmopt quantize` options; `calibration`: source (--calib), num_samples,
                           seq_len, seed
-    eval                  `llmopt eval` options: tasks, gates (today's gate syntax, eval/gates.py), task
+    eval                  `llmopt eval` options: tasks, gates (today's gate syntax, eval/gates/spec.py), task
                           options, baseline (default: the source model when the recipe quantizes)
     bench                 a plan: `throughput`, `latency` and `serve` (`llmopt bench ...`), each with its
                           options; they run in that order, those present only

@@ -93,7 +93,7 @@ def _eval_section(doc: dict[str, Any]) -> str:
     """eval's own table and lines (eval/report.py), as text: the same figures `llmopt eval` prints."""
     from rich.console import Console
 
-    from llmopt.eval.report import kld_summary_lines, render_table, summary_lines
+    from llmopt.eval.report.table import kld_summary_lines, render_table, summary_lines
 
     buffer = io.StringIO()
     console = Console(file=buffer, width=140, color_system=None, force_terminal=False)

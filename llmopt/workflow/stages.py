@@ -194,7 +194,7 @@ def _eval_stage(recipe: Recipe, output_dir: Path, candidate: str, candidate_from
         resolve_gates(request.settings, baseline is not None)
 
     def execute(observer: Observer) -> dict[str, Any]:
-        from llmopt.eval.report import build_document, write_json
+        from llmopt.eval.report.document import build_document, write_json
         from llmopt.eval.run import run_eval
 
         _free_memory()

@@ -234,18 +234,3 @@ def summarize(kld: np.ndarray, same: np.ndarray, delta_p: np.ndarray, nll_base: 
         num_tokens=n,
         per_position=kld, same_top=np.asarray(same, np.int32), delta_p_values=delta_p,
     )  # fmt: skip
-
-
-def kl_divergence(base_model, cand_model, ids: torch.Tensor, ctx_size: int = 512, *,
-                  bos_id: int | None = None) -> KLDResult:
-    """KLD of two loaded models on a token stream, through the same path as `llmopt eval` (scripts, tests)."""
-    from llmopt.errors import LlmoptError
-    from llmopt.eval.textscore import score_text
-
-    if base_model.config.vocab_size != cand_model.config.vocab_size:
-        raise LlmoptError(
-            f"cannot compare token distributions: the baseline has a vocabulary of {base_model.config.vocab_size} "
-            f"tokens, the candidate {cand_model.config.vocab_size}; KL divergence needs the same tokenizer"
-        )
-    base = score_text(base_model, ids, ctx_size, bos_id=bos_id, store=True)
-    return score_text(cand_model, ids, ctx_size, bos_id=bos_id, base=base).kld

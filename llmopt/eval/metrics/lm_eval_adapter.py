@@ -29,7 +29,7 @@ from typing import Any
 from lm_eval.api.model import LM
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
-from llmopt.eval.loglikelihood import DEFAULT_BATCH_TOKENS, plan_jobs, run_jobs, token_jobs
+from llmopt.eval.metrics.loglikelihood import DEFAULT_BATCH_TOKENS, plan_jobs, run_jobs, token_jobs
 
 DEFAULT_MAX_GEN_TOKS = 256  # lm-eval's default when a task gives none
 
@@ -40,7 +40,7 @@ class LlmoptLM(LM):
     def __init__(self, loaded, engine: dict[str, Any] | None = None, batch_tokens: int = DEFAULT_BATCH_TOKENS,
                  add_bos: bool | None = None):
         super().__init__()
-        from llmopt.eval.text import context_bos_id
+        from llmopt.eval.metrics.text import context_bos_id
 
         self.loaded = loaded
         self.bos_id = context_bos_id(loaded.tokenizer, add_bos)  # lm-eval's add_bos_token (None: the tokenizer's)

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Literal
 
 from llmopt.errors import LlmoptError
-from llmopt.eval.sandbox import DEFAULT_MEMORY_MB, DEFAULT_TIMEOUT_S, ExecResult, run_programs
+from llmopt.eval.sandbox.runner import DEFAULT_MEMORY_MB, DEFAULT_TIMEOUT_S, ExecResult, run_programs
 
 log = logging.getLogger(__name__)
 

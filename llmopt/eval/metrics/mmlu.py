@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from llmopt.errors import LlmoptError
-from llmopt.eval import stats
+from llmopt.eval.gates import stats
 
 # lm-eval's subject -> category map (lm_eval/tasks/mmlu/_generate_configs.py). Note that it
 # files anatomy under stem, where Hendrycks et al.'s original grouping had it under other.
@@ -73,7 +73,7 @@ CONTINUATIONS = tuple(" " + letter for letter in LETTERS)  # target delimiter " 
 COLUMNS = ("subject", "question", "choices", "answer")
 SCHEMA_HINT = "expected the cais/mmlu schema: subject, question, choices (4 strings), answer (0-3)"
 
-DATA_DIR = Path(__file__).parent / "data"
+DATA_DIR = Path(__file__).parents[1] / "data"  # llmopt/eval/data
 BUNDLED_TEST = DATA_DIR / "mmlu_subset.jsonl.gz"
 # The whole dev split (285 examples, 5 per subject, in the original order): few-shot offline.
 BUNDLED_DEV = DATA_DIR / "mmlu_dev.jsonl.gz"

@@ -18,8 +18,8 @@ import numpy as np
 import torch
 
 from llmopt.errors import LlmoptError
-from llmopt.eval.kld import STORE_DTYPE, BaselineStore, KLDResult, dense_lm_head, kld_logprobs, position_stats, summarize
-from llmopt.eval.windows import chunk_hidden, plan_chunks
+from llmopt.eval.metrics.kld import STORE_DTYPE, BaselineStore, KLDResult, dense_lm_head, kld_logprobs, position_stats, summarize
+from llmopt.eval.metrics.windows import chunk_hidden, plan_chunks
 
 CHUNK_ROWS = 256  # log-softmax rows processed at once: bounds the vocab-sized temporaries
 BATCH_CHUNKS = 4  # chunks per forward
@@ -94,3 +94,15 @@ def score_text(
         result.kld = summarize(torch.cat(klds).numpy(), torch.cat(sames).numpy(), torch.cat(deltas).numpy(),
                                np.asarray(base.nll, np.float64), result.nll)
     return result
+
+
+def kl_divergence(base_model, cand_model, ids: torch.Tensor, ctx_size: int = 512, *,
+                  bos_id: int | None = None) -> KLDResult:
+    """KLD of two loaded models on a token stream, through the same path as `llmopt eval` (scripts, tests)."""
+    if base_model.config.vocab_size != cand_model.config.vocab_size:
+        raise LlmoptError(
+            f"cannot compare token distributions: the baseline has a vocabulary of {base_model.config.vocab_size} "
+            f"tokens, the candidate {cand_model.config.vocab_size}; KL divergence needs the same tokenizer"
+        )
+    base = score_text(base_model, ids, ctx_size, bos_id=bos_id, store=True)
+    return score_text(cand_model, ids, ctx_size, bos_id=bos_id, base=base).kld

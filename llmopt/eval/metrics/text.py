@@ -77,7 +77,7 @@ def context_bos_id(tokenizer, add_bos: bool | None) -> int | None:
 
 def tokenize(tokenizer, text: EvalText, ctx_size: int, chunks: int | None) -> torch.Tensor:
     """Token ids of whole `ctx_size` chunks of the text, at most `chunks` of them (`text.num_tokens` records all)."""
-    from llmopt.eval.windows import plan_chunks
+    from llmopt.eval.metrics.windows import plan_chunks
 
     ids = tokenizer.encode(text.text, add_special_tokens=False)
     bos = bos_id(tokenizer)
@@ -89,7 +89,7 @@ def tokenize(tokenizer, text: EvalText, ctx_size: int, chunks: int | None) -> to
 
 
 def _bundled_mmlu_text() -> str:
-    from llmopt.eval.mmlu import LETTERS, load_mmlu
+    from llmopt.eval.metrics.mmlu import LETTERS, load_mmlu
 
     by_subject: dict[str, list] = {}
     for q in load_mmlu(None):

@@ -1,0 +1,1 @@
+"""Quality gates: bounds on a candidate model's metrics vs its baseline, judged with bootstrap CIs."""

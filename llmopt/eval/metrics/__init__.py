@@ -1,0 +1,1 @@
+"""The eval tasks' scoring: perplexity windows, KL divergence, log-likelihood, MMLU, HumanEval, lm-eval."""

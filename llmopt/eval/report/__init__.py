@@ -1,0 +1,1 @@
+"""The eval report: the JSON document, the terminal table, the per-sample logs."""

@@ -1,0 +1,1 @@
+"""Running untrusted, model-written Python in a separate, limited process (`runner.py`, `child.py`)."""
