@@ -38,8 +38,7 @@ BITS = 4
 class PathThresholds:
     """Row counts where `int4_matmul` switches path (tests override them to reach every path).
 
-    Not measured on a GPU yet (none was available when written); these follow public kernels
-    and must be tuned on one:
+    They follow public kernels (`llmopt bench kernels --device cuda` measures the paths on a GPU):
     - GemLite (`gemlite/core.py: get_matmul_type`) uses its GEMV for batch 1, split-K GEMM up
       to 64 rows, and plain GEMM above; we switch to the unsplit GEMM earlier (16 rows) since
       our split-K tile is 16 rows tall.

@@ -59,3 +59,39 @@ def test_llm_async_llm_and_engine_take_one_engine_config(tiny_models):
         assert engine.engine.config == config
     finally:
         engine.shutdown()
+
+
+def test_an_engine_option_declared_once_reaches_every_command_recipe_and_the_runtime():
+    """Each `engine_option` field of EngineConfig is a flag of every engine command, a key of every recipe
+    section that runs the engine, and reaches the runtime through EngineArgs: a new one needs no other edit."""
+    import typing
+
+    import typer
+
+    from llmopt.cli.main import app
+    from llmopt.options import declared
+    from llmopt.recipes import schema
+
+    options = declared(EngineConfig)
+    assert {d.name for d in options} >= {"max_num_seqs", "block_size", "kv_cache_dtype", "gpu_memory_utilization"}
+    for command, _ in COMMANDS:
+        click_command = typer.main.get_command(app)
+        for name in command:
+            click_command = click_command.commands[name]  # type: ignore[attr-defined]
+        flags = {opt for param in click_command.params for opt in [*param.opts, *param.secondary_opts]}
+        expected = [d for d in options if command != ["bench", "latency"]
+                    or d.name not in ("max_num_seqs", "max_model_len", "enable_prefix_caching")]
+        assert all(set(d.cli_names[0].split("/")) <= flags for d in expected), command
+    for section in (schema.EvalSection, schema.ThroughputPlan, schema.ServeSection):
+        assert {d.name for d in options} <= set(section.model_fields), section.__name__
+    changed = {}
+    for d in options:
+        kind = typing.get_args(d.type)[0] if typing.get_origin(d.type) is typing.Union else d.type
+        if kind is bool:
+            changed[d.name] = not d.default
+        elif kind is int:
+            changed[d.name] = (d.default or 16) + 1
+        elif kind is float:
+            changed[d.name] = d.default / 2
+    config = EngineArgs(**changed).engine_config()
+    assert {name: getattr(config, name) for name in changed} == changed

@@ -26,7 +26,8 @@ from llmopt.core.gguf_file import _LLAMA3_REGEX, _QWEN2_REGEX, read_gguf
 from llmopt.core.tokenizer import Tokenizer
 from llmopt.core.weights import load_safetensors, safetensors_files
 from llmopt.errors import LlmoptError
-from llmopt.quant.gguf_export import GGUF_TYPES, K_QUANT_TYPES, _gguf_name, _pre_tokenizer_name, write_gguf
+from llmopt.core.gguf_file import gguf_tensor_name
+from llmopt.quant.gguf_export import GGUF_TYPES, K_QUANT_TYPES, _pre_tokenizer_name, write_gguf
 from test_decoder_vs_transformers import our_packed_logits
 from test_gguf_tiny import TEXTS
 
@@ -122,7 +123,7 @@ def test_weights_read_back_as_quantized(tiny_models, exported, kind, gguf_type):
     for name, want in original.items():
         got = model.tensors[name]
         if want.ndim == 2:  # exactly what the gguf package's quantizer makes of it (in HF row order)
-            qtype = types[_gguf_name(name)]
+            qtype = types[gguf_tensor_name(name)]
             q = gguf.quants.quantize(want.numpy(), qtype)
             assert torch.equal(got, torch.from_numpy(gguf.quants.dequantize(q, qtype).reshape(want.shape))), name
         else:

@@ -101,23 +101,8 @@ def run_hf_sequential(model, requests: list[BenchRequest], warmup: bool = True,
             _sync(device)
             latencies.append(time.perf_counter() - t0)
         wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-    for req, out in zip(requests, outputs):
-        assert len(out) == req.max_tokens, (len(out), req.max_tokens)
-    useful = sum(r.max_tokens for r in requests)
-    return BaselineResult(
-        name="hf-sequential",
-        num_requests=len(requests),
-        output_tokens=useful,
-        wall_s=wall,
-        output_tok_per_s=useful / wall if wall > 0 else 0.0,
-        prompt_tokens=sum(len(r.prompt_token_ids) for r in requests),
-        generated_tokens_computed=useful,
-        prompt_pad_tokens=0,
-        num_batches=len(requests),
-        mean_latency_s=sum(latencies) / len(latencies) if latencies else 0.0,
-        cpu_s=cpu,
-        outputs=outputs,
-    )
+    return _result("hf-sequential", requests, outputs, latencies, wall, cpu,
+                   computed=sum(r.max_tokens for r in requests), pad_positions=0, num_batches=len(requests))
 
 
 def run_hf_static_batches(model, requests: list[BenchRequest], batch_size: int, pad_token_id: int,
@@ -155,11 +140,18 @@ def run_hf_static_batches(model, requests: list[BenchRequest], batch_size: int, 
             pad_positions += int((mask == 0).sum())
             num_batches += 1
         wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    return _result(f"hf-static-batch{batch_size}", requests, outputs, latencies, wall, cpu, computed=computed,
+                   pad_positions=pad_positions, num_batches=num_batches)
+
+
+def _result(name: str, requests: list[BenchRequest], outputs: list[list[int]], latencies: list[float], wall: float,
+            cpu: float, computed: int, pad_positions: int, num_batches: int) -> BaselineResult:
+    """The run's figures; output counts only each request's own max_tokens (every output checked to have it)."""
     for req, out in zip(requests, outputs):
         assert len(out) == req.max_tokens, (len(out), req.max_tokens)
     useful = sum(r.max_tokens for r in requests)
     return BaselineResult(
-        name=f"hf-static-batch{batch_size}",
+        name=name,
         num_requests=len(requests),
         output_tokens=useful,
         wall_s=wall,

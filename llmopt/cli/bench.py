@@ -36,38 +36,50 @@ def _table(title: str, columns: list[str], rows: list[list[str]]) -> Table:
     return table
 
 
+def _run_and_render(name: str, run, write_report, output: Path | None, json_out: bool, title, columns: list[str],
+                    rows) -> None:
+    """`run(status_line)` under a live status line (stderr), its report written to `output`, then the
+    document as JSON or as a table titled `title(document)`."""
+    from llmopt.bench.results import prepare_output_dir
+
+    if output is not None:
+        prepare_output_dir(output)
+    with err_console.status("") as status:
+        document = run(lambda text: status.update(f"bench {name}: {text} ..."))
+    if output is not None:
+        write_report(output, document)
+    if json_out:
+        print_json(document)
+        return
+    _wide_console().print(_table(title(document), columns, rows(document)))
+    if output is not None:
+        err_console.print(f"wrote {output}/results.json, report.md and plots")
+
+
 @handles_errors
 @request_options(ThroughputRequest)
 def throughput(request: ThroughputRequest, output: Path | None = OUTPUT_DIR, json_out: bool = JSON_OUT) -> None:
     """Offline throughput: one workload through several engines, side by side, in one run."""
     from llmopt.bench.offline_report import write_throughput_report
-    from llmopt.bench.results import prepare_output_dir
     from llmopt.bench.throughput import TABLE_COLUMNS, run_throughput, table_rows
 
     bench = request.config()
-    if output is not None:
-        prepare_output_dir(output)
-    with err_console.status("") as status:
+
+    def run(status_line):
         def progress(engine, result):
             if result is None:
-                status.update(f"bench throughput: {engine} running ...")
+                status_line(f"{engine} running")
             else:
                 err_console.print(f"{engine}: " + (f"skipped ({result.skipped})" if result.skipped
                                                    else f"{result.output_tokens / result.elapsed_s:.1f} output tok/s"))
+        return run_throughput(bench, progress)
 
-        document = run_throughput(bench, progress)
-    if output is not None:
-        write_throughput_report(output, document)
-    if json_out:
-        print_json(document)
-        return
-    w = document["config"]["workload"]
-    _wide_console().print(_table(
-        f"{w['requests']} requests ({bench.dataset}), prompts {w['prompt_len_min']}-{w['prompt_len_max']} tokens, "
-        f"outputs {w['output_len_min']}-{w['output_len_max']} (EOS ignored), greedy, all at once",
-        TABLE_COLUMNS, table_rows(document)))
-    if output is not None:
-        err_console.print(f"wrote {output}/results.json, report.md and plots")
+    def title(document):
+        w = document["config"]["workload"]
+        return (f"{w['requests']} requests ({bench.dataset}), prompts {w['prompt_len_min']}-{w['prompt_len_max']} "
+                f"tokens, outputs {w['output_len_min']}-{w['output_len_max']} (EOS ignored), greedy, all at once")
+
+    _run_and_render("throughput", run, write_throughput_report, output, json_out, title, TABLE_COLUMNS, table_rows)
 
 
 app.command("throughput")(throughput)
@@ -79,22 +91,14 @@ def latency(request: LatencyRequest, output: Path | None = OUTPUT_DIR, json_out:
     """Prefill and decode latency at fixed batch sizes, with the memory roofline (ideal decode tokens/s)."""
     from llmopt.bench.latency import LATENCY_COLUMNS, latency_rows, run_latency
     from llmopt.bench.offline_report import write_latency_report
-    from llmopt.bench.results import prepare_output_dir
 
     bench = request.config()
-    if output is not None:
-        prepare_output_dir(output)
-    with err_console.status("") as status:
-        document = run_latency(bench, lambda text: status.update(f"bench latency: {text} ..."))
-    if output is not None:
-        write_latency_report(output, document)
-    if json_out:
-        print_json(document)
-        return
-    _wide_console().print(_table(
-        f"{bench.input_len} prompt + {bench.output_len} generated tokens per sequence, median of {bench.num_iters}; "
-        f"measured read bandwidth {document['config']['read_bandwidth_gb_s']:.1f} GB/s",
-        LATENCY_COLUMNS, latency_rows(document)))
+    _run_and_render(
+        "latency", lambda status_line: run_latency(bench, status_line), write_latency_report, output, json_out,
+        lambda document: (f"{bench.input_len} prompt + {bench.output_len} generated tokens per sequence, median of "
+                          f"{bench.num_iters}; measured read bandwidth "
+                          f"{document['config']['read_bandwidth_gb_s']:.1f} GB/s"),
+        LATENCY_COLUMNS, latency_rows)
 
 
 app.command("latency")(latency)

@@ -33,6 +33,8 @@ _LAYER_TENSORS = {
     "ffn_norm": "post_attention_layernorm",
 }
 _GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_HF_LAYER_TENSORS = {hf: name for name, hf in _LAYER_TENSORS.items()}
+_HF_GLOBAL_TENSORS = {hf: name for name, hf in _GLOBAL_TENSORS.items()}
 
 # llama.cpp pre-tokenizer names -> regex used to split text before byte-level BPE
 _LLAMA3_REGEX = (
@@ -131,12 +133,24 @@ def read_gguf_tokenizer(path: Path) -> Tokenizer:
 
 
 def _hf_tensor_name(name: str) -> str | None:
-    m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", name)
+    """llama.cpp's tensor name -> Hugging Face's (None: a tensor our decoder does not hold)."""
+    return _rename(name, r"blk\.(\d+)\.(\w+)\.(weight|bias)", "model.layers.{}.{}.{}", _LAYER_TENSORS, _GLOBAL_TENSORS)
+
+
+def gguf_tensor_name(hf_name: str) -> str | None:
+    """Hugging Face's tensor name -> llama.cpp's (the inverse of the reader's mapping)."""
+    return _rename(hf_name, r"model\.layers\.(\d+)\.(.+)\.(weight|bias)", "blk.{}.{}.{}", _HF_LAYER_TENSORS,
+                   _HF_GLOBAL_TENSORS)
+
+
+def _rename(name: str, layer_pattern: str, layer_name: str, layers: dict[str, str],
+            globals_: dict[str, str]) -> str | None:
+    m = re.fullmatch(layer_pattern, name)
     if m:
-        mapped = _LAYER_TENSORS.get(m.group(2))
-        return f"model.layers.{m.group(1)}.{mapped}.{m.group(3)}" if mapped else None
+        mapped = layers.get(m.group(2))
+        return layer_name.format(m.group(1), mapped, m.group(3)) if mapped else None
     base, _, kind = name.rpartition(".")
-    mapped = _GLOBAL_TENSORS.get(base)
+    mapped = globals_.get(base)
     return f"{mapped}.{kind}" if mapped else None
 
 

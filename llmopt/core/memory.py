@@ -8,8 +8,8 @@ import ctypes.util
 
 def release_freed_memory() -> None:
     """glibc keeps freed blocks in its heaps; passes that allocate and free hundreds of MB
-    per step (quantizing layer after layer) then creep upwards in resident memory: measured
-    +400 MB of RSS over 30 layers of GPTQ on the default model. malloc_trim returns them."""
+    per step (quantizing layer after layer) then creep upwards in resident memory, hundreds of
+    MB over a small model's layers. malloc_trim returns them."""
     name = ctypes.util.find_library("c")
     try:
         ctypes.CDLL(name).malloc_trim(0)

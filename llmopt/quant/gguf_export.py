@@ -32,7 +32,7 @@ import torch
 
 from llmopt.core.atomic import atomic_file
 from llmopt.core.config import ModelConfig
-from llmopt.core.gguf_file import _GLOBAL_TENSORS, _LAYER_TENSORS, _LLAMA3_REGEX, _QWEN2_REGEX
+from llmopt.core.gguf_file import _HF_LAYER_TENSORS, _LLAMA3_REGEX, _QWEN2_REGEX, gguf_tensor_name
 from llmopt.errors import LlmoptError
 from llmopt.model.rope import rope_inv_freq
 
@@ -50,8 +50,6 @@ K_QUANT_TYPES = ("Q4_K_M", "Q5_K_M", "Q6_K")
 GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}
 
 # Hugging Face name -> GGUF name: the reader's tables, inverted, so both directions agree
-_HF_LAYER_TENSORS = {hf: name for name, hf in _LAYER_TENSORS.items()}
-_HF_GLOBAL_TENSORS = {hf: name for name, hf in _GLOBAL_TENSORS.items()}
 
 # tokenizers' pre-tokenizer regexes -> llama.cpp pre-tokenizer names that split the same way
 _SPLIT_REGEX_PRES = {_LLAMA3_REGEX: "llama-bpe", _QWEN2_REGEX: "qwen2"}
@@ -167,7 +165,7 @@ def _gguf_tensors(cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> Iterato
             continue
         if hf_name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
-        name = _gguf_name(hf_name)
+        name = gguf_tensor_name(hf_name)
         if name is None:
             raise LlmoptError(f"cannot export to GGUF: no llama.cpp name for tensor {hf_name!r}")
         array = tensor.detach().to(torch.float32).cpu().numpy()
@@ -175,16 +173,6 @@ def _gguf_tensors(cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> Iterato
             heads = cfg.num_attention_heads if ".attn_q." in name else cfg.num_key_value_heads
             array = _permute_qk(array, heads)
         yield name, np.ascontiguousarray(array)
-
-
-def _gguf_name(hf_name: str) -> str | None:
-    m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)", hf_name)
-    if m:
-        mapped = _HF_LAYER_TENSORS.get(m.group(2))
-        return f"blk.{m.group(1)}.{mapped}.{m.group(3)}" if mapped else None
-    base, _, kind = hf_name.rpartition(".")
-    mapped = _HF_GLOBAL_TENSORS.get(base)
-    return f"{mapped}.{kind}" if mapped else None
 
 
 def _permute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:

@@ -184,9 +184,9 @@ def _release_openmp_threads() -> None:
 
     The thread that loaded the model (in the server, the event loop's) keeps an OpenMP team
     after its last parallel op; with the engine thread's team that is more OpenMP threads than
-    CPUs, and libgomp then cuts the spinning at its barriers short, which made every decode
-    step ~1.5x slower than the same step offline (measured on 2 cores). Nothing to do where no
-    OpenMP runtime is loaded or it lacks OpenMP 5's pause API."""
+    CPUs, and libgomp then cuts the spinning at its barriers short, which slows every decode
+    step well below the same step offline. Nothing to do where no OpenMP runtime is loaded or
+    it lacks OpenMP 5's pause API."""
     noload = getattr(os, "RTLD_NOLOAD", None)
     if noload is None:
         return

@@ -46,10 +46,10 @@ def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
 def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     """One token from `probs` [vocab] by inverse CDF, from a single uniform number.
 
-    Measured on CPU at a 49k vocabulary (docs/benchmarks.md): torch.multinomial 1.3 ms per draw
-    and the exponential race (vLLM's GPU sampler) 1.5 ms, a sixth of an int4 decode step; this 0.13 ms. The
-    float64 running sum keeps each token's share of [0, total) equal to its probability to
-    ~1e-16.
+    One cumulative sum and one search: on CPU at a 49k vocabulary, torch.multinomial and the
+    exponential race (vLLM's GPU sampler) each cost a large part of an int4 decode step, this
+    a tenth of either (docs/benchmarks.md). The float64 running sum keeps each token's share
+    of [0, total) equal to its probability to ~1e-16.
     """
     cdf = torch.cumsum(probs, 0, dtype=torch.float64)
     # the draw comes from the request's (CPU) generator whatever the device of probs; scaled by

@@ -120,12 +120,9 @@ def _files(*values: str | None) -> list[str]:
 def _free_memory() -> None:
     """Drop the previous stage's model before the next loads (stages run in one process)."""
     gc.collect()
-    try:
-        from llmopt.core.memory import malloc_trim
+    from llmopt.core.memory import release_freed_memory
 
-        malloc_trim()
-    except ImportError:
-        pass
+    release_freed_memory()
 
 
 # ---------------------------------------------------------------------------- quantize
@@ -194,14 +191,11 @@ def _eval_stage(recipe: Recipe, output_dir: Path, candidate: str, candidate_from
         resolve_gates(request.settings, baseline is not None)
 
     def execute(observer: Observer) -> dict[str, Any]:
-        from llmopt.eval.report.document import build_document, write_json
-        from llmopt.eval.run import run_eval
+        from llmopt.eval.evaluate import evaluate
 
         _free_memory()
-        doc = build_document(run_eval(args.eval_request(settings_layer)))
         results_path.parent.mkdir(parents=True, exist_ok=True)
-        write_json(doc, results_path)
-        return doc
+        return evaluate(args, settings_layer, output=results_path).document
 
     return Stage(EVAL, f"eval {Path(candidate).name}" + (f" vs {baseline}" if baseline else ""),
                  Invocation(("eval",), [candidate], flags, EvalArgs),
