@@ -8,6 +8,8 @@ Jinja environment transformers uses, so prompts match token for token.
 from __future__ import annotations
 
 import json
+import re
+import secrets
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -17,6 +19,10 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from llmopt.errors import LlmoptError
 
+# Texts (characters) and id lists longer than this go through the `tokenizers` batch calls, which
+# release the GIL: a megabyte of text takes seconds to encode, and the single-text calls hold the
+# GIL (and so every other Python thread, e.g. the server's event loop) all that time.
+LONG_TEXT = 4096
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
 
@@ -109,6 +115,8 @@ class Tokenizer:
     # ---- text <-> ids ---------------------------------------------------------------
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         try:
+            if len(text) > LONG_TEXT:  # `encode_batch` lets other threads run meanwhile, `encode` does not
+                return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
             return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
         except TypeError:
             # Python strings may hold lone UTF-16 surrogates (JSON's "\ud800" decodes to one); Rust's may not
@@ -117,6 +125,8 @@ class Tokenizer:
             raise
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        if len(ids) > LONG_TEXT:  # as in encode: the batch call releases the GIL
+            return self.backend.decode_batch([ids], skip_special_tokens=skip_special_tokens)[0]
         return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
     # ---- chat -----------------------------------------------------------------------
@@ -140,8 +150,50 @@ class Tokenizer:
             raise LlmoptError(f"chat template rejected the messages: {exc}") from None
 
     def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+        return self.chat_prompt(messages, add_generation_prompt)[1]
+
+    def chat_prompt(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> tuple[str, list[int]]:
+        """The chat template's text and token ids, with message content kept as text.
+
+        The template's own special tokens (`<|im_start|>`, ...) become control tokens; the same
+        text typed inside a message does not: it is encoded as ordinary text, as a tokenizer with
+        `split_special_tokens` encodes it, so a message cannot open a turn of another role.
+        Content without special-token text (nearly all) is rendered and encoded exactly as
+        transformers' `apply_chat_template(tokenize=True)` does; content with it is rendered with
+        a private placeholder at each occurrence, and the placeholders are encoded as plain text
+        where they land (the template may still trim or split the content around them)."""
+        marked, found = _mark_special_text(messages, self._special_text)
+        text = self.apply_chat_template(marked, add_generation_prompt)
         # the template already writes any BOS it wants, as transformers assumes too
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
+        if not found:
+            return text, self.encode(text, add_special_tokens=False)
+        nonce, originals = found
+        pieces = re.split(f"\ue000{nonce}(\\d+)\ue001", text)
+        if nonce in "".join(pieces[::2]):
+            raise LlmoptError("the chat template altered message content that holds special-token text; "
+                              "remove the special-token text from the messages")
+        ids: list[int] = []
+        for k, piece in enumerate(pieces):
+            if k % 2:  # a placeholder: the special-token text as ordinary tokens
+                ids += self._split_special_backend.encode(originals[int(piece)], add_special_tokens=False).ids
+            elif piece:
+                ids += self.encode(piece, add_special_tokens=False)
+        return "".join(originals[int(p)] if k % 2 else p for k, p in enumerate(pieces)), ids
+
+    @cached_property
+    def _special_text(self) -> re.Pattern[str] | None:
+        """Matches the text of any special token (longest first); None without special tokens."""
+        specials = sorted({t.content for t in self.backend.get_added_tokens_decoder().values() if t.special},
+                          key=len, reverse=True)
+        specials = [t for t in specials if t]
+        return re.compile("|".join(map(re.escape, specials))) if specials else None
+
+    @cached_property
+    def _split_special_backend(self) -> HFTokenizer:
+        """A copy of the backend that encodes special-token text as ordinary text."""
+        backend = HFTokenizer.from_str(self.backend.to_str())
+        backend.encode_special_tokens = True
+        return backend
 
     @cached_property
     def _compiled_template(self):
@@ -162,6 +214,25 @@ class Tokenizer:
 
 class _TemplateError(Exception):
     pass
+
+
+def _mark_special_text(messages: list[dict[str, Any]], special: re.Pattern[str] | None
+                       ) -> tuple[list[dict[str, Any]], tuple[str, list[str]] | None]:
+    """`messages` with each special-token text in a string content replaced by a placeholder
+    (U+E000, a random nonce, its index, U+E001), and (nonce, the replaced texts); the messages
+    unchanged and None where no content holds any."""
+    if special is None or not any(isinstance(m.get("content"), str) and special.search(m["content"])
+                                  for m in messages if isinstance(m, dict)):
+        return messages, None
+    nonce, originals = secrets.token_hex(8), []
+
+    def placeholder(match: re.Match[str]) -> str:
+        originals.append(match.group(0))
+        return f"\ue000{nonce}{len(originals) - 1}\ue001"
+
+    marked = [{**m, "content": special.sub(placeholder, m["content"])}
+              if isinstance(m, dict) and isinstance(m.get("content"), str) else m for m in messages]
+    return marked, (nonce, originals)
 
 
 def _convert_slow_tokenizer(path: Path) -> HFTokenizer:

@@ -33,6 +33,7 @@ from llmopt.runtime.engine import EngineStats, LLMEngine, PromptType
 from llmopt.runtime.engine_protocol import queued_outputs
 from llmopt.runtime.outputs import RequestOutput
 from llmopt.runtime.sampling_params import SamplingParams
+from llmopt.runtime.structured_outputs import StructuredOutputsParams
 
 logger = logging.getLogger("llmopt.runtime")
 
@@ -77,6 +78,10 @@ class AsyncLLM:
 
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         return self.engine.tokenize_prompt(prompt)
+
+    def compile_structured_outputs(self, params: StructuredOutputsParams) -> None:
+        # no engine lock: the manager reads only the tokenizer, and the engine keeps stepping meanwhile
+        self.engine.structured_outputs.compile(params)
 
     def add_request(self, prompt: PromptType, params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:

@@ -79,8 +79,7 @@ class EngineFrontend:
                 return self.tokenize_prompt(list(prompt["messages"]))
             raise LlmoptError("a prompt dict needs 'prompt', 'prompt_token_ids' or 'messages'")
         if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
-            text = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True)
-            return text, self.tokenizer.encode(text, add_special_tokens=False)
+            return self.tokenizer.chat_prompt(prompt, add_generation_prompt=True)
         if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             if not prompt:
                 raise LlmoptError("the prompt is empty")

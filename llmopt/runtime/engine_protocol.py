@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from llmopt.runtime.engine import EngineStats, PromptType
     from llmopt.runtime.outputs import RequestOutput
     from llmopt.runtime.sampling_params import SamplingParams
+    from llmopt.runtime.structured_outputs import StructuredOutputsParams
 
 
 @runtime_checkable
@@ -31,6 +32,12 @@ class ServingEngine(Protocol):
 
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """(text or None, token ids) of a prompt; LlmoptError if it is empty or out of the vocabulary."""
+        ...
+
+    def compile_structured_outputs(self, params: StructuredOutputsParams) -> None:
+        """Validate and compile an output constraint ahead of `add_request`, from any thread (the
+        server's worker threads), so that adding the request is quick; LlmoptError if it is
+        invalid or the engine has no structured outputs."""
         ...
 
     def add_request(self, prompt: PromptType, params: SamplingParams | None = None,

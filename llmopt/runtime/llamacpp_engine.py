@@ -29,8 +29,10 @@ from llmopt.runtime.engine_protocol import queued_outputs
 from llmopt.runtime.outputs import RequestOutput
 from llmopt.runtime.sampling_params import SamplingParams
 from llmopt.runtime.sequence import Sequence
+from llmopt.runtime.structured_outputs import StructuredOutputsParams
 
 logger = logging.getLogger("llmopt.runtime")
+_NO_STRUCTURED_OUTPUTS = "structured outputs (response_format) are not supported by the llama.cpp engine"
 
 
 class LlamaCppEngine(EngineFrontend):
@@ -72,12 +74,15 @@ class LlamaCppEngine(EngineFrontend):
         self._thread.start()
 
     # ---- AsyncLLM's surface ------------------------------------------------------------
+    def compile_structured_outputs(self, params: StructuredOutputsParams) -> None:
+        raise LlmoptError(_NO_STRUCTURED_OUTPUTS)
+
     def add_request(self, prompt: PromptType, params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
         if params is not None and (params.logprobs is not None or params.prompt_logprobs is not None):
             raise LlmoptError("logprobs are not supported by the llama.cpp engine")
         if params is not None and params.structured_outputs is not None:
-            raise LlmoptError("structured outputs (response_format) are not supported by the llama.cpp engine")
+            raise LlmoptError(_NO_STRUCTURED_OUTPUTS)
         with self._cv:
             seq = self.new_sequence(prompt, params, request_id)
             self.requests[seq.request_id] = seq

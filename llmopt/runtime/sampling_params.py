@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from llmopt.errors import LlmoptError
@@ -41,6 +42,11 @@ class SamplingParams:
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
                                       or not -(2**63) <= self.seed < 2**64):
             raise LlmoptError(f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}")  # torch's range
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+            value = getattr(self, name)
+            # NaN passes every comparison below; infinity and 1e308 turn the logits into garbage
+            if not _finite(value):
+                raise LlmoptError(f"{name} must be a finite number, got {value!r}")
         if self.temperature < 0:
             raise LlmoptError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
@@ -83,3 +89,10 @@ class SamplingParams:
     @property
     def uses_penalties(self) -> bool:
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
+
+def _finite(value: object) -> bool:
+    try:
+        return math.isfinite(value)  # type: ignore[arg-type]
+    except TypeError:
+        return False

@@ -16,6 +16,7 @@ where it appends sampled tokens.
 from __future__ import annotations
 
 import json
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +24,8 @@ import numpy as np
 import torch
 
 from llmopt.errors import LlmoptError
+
+_LLG_TOKENIZER_LOCK = threading.Lock()
 
 # compact JSON with a space after ',' and ':' (what models write), no free whitespace
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -39,6 +42,9 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
     grammar: str | None = None  # Lark syntax (llguidance's), GBNF also read
     strict: bool = True
+    # (the StructuredOutputManager, a fresh llguidance matcher for the constraint), set by its
+    # `compile`: once for all the requests sharing these params, which each get a copy
+    compiled: tuple[Any, Any] | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
@@ -84,6 +90,10 @@ class StructuredOutputManager:
     _ll_tokenizer: Any = field(default=None, init=False, repr=False)
 
     def _llg_tokenizer(self) -> Any:
+        with _LLG_TOKENIZER_LOCK:  # compile() runs on the server's worker threads: build it once
+            return self._build_llg_tokenizer()
+
+    def _build_llg_tokenizer(self) -> Any:
         if self._ll_tokenizer is None:
             try:
                 from llguidance import LLTokenizer
@@ -94,21 +104,36 @@ class StructuredOutputManager:
                                              eos_token=self.tokenizer.eos_token_ids or None)
         return self._ll_tokenizer
 
-    def matcher(self, params: StructuredOutputsParams) -> Any:
-        """A fresh `llguidance.LLMatcher` for one request; LlmoptError naming the problem if the
-        constraint is invalid."""
+    def compile(self, params: StructuredOutputsParams) -> None:
+        """Build and validate the constraint's matcher against this tokenizer, once: the costly
+        part of a constrained request (seconds for a choice of thousands of strings; llguidance
+        drops the GIL meanwhile), which the server does on a worker thread before `add_request`.
+        LlmoptError naming the problem if the constraint is invalid. Any thread."""
+        if params.compiled is not None and params.compiled[0] is self:
+            return
         tokenizer = self._llg_tokenizer()  # first: it explains a missing llguidance
         from llguidance import LLMatcher
 
         grammar = params.lark_or_grammar()
-        is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar, tokenizer)
-        if is_error:
-            raise LlmoptError(f"invalid {_kind(params)}: {messages[0] if messages else 'rejected by llguidance'}",
-                              param="structured_outputs")
-        matcher = LLMatcher(tokenizer, grammar, log_level=0)
+        try:
+            is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar, tokenizer)
+            if is_error:
+                raise LlmoptError(f"invalid {_kind(params)}: {messages[0] if messages else 'rejected by llguidance'}",
+                                  param="structured_outputs")
+            matcher = LLMatcher(tokenizer, grammar, log_level=0)
+        except (KeyboardInterrupt, SystemExit, LlmoptError):
+            raise
+        except BaseException as exc:  # a Rust panic in llguidance arrives as pyo3's PanicException
+            raise LlmoptError(f"the {_kind(params)} could not be compiled: {exc}", param="structured_outputs") from None
         if matcher.is_error():
             raise LlmoptError(f"invalid {_kind(params)}: {matcher.get_error()}", param="structured_outputs")
-        return matcher
+        params.compiled = (self, matcher)
+
+    def matcher(self, params: StructuredOutputsParams) -> Any:
+        """A fresh `llguidance.LLMatcher` for one request (a copy of the compiled one); LlmoptError
+        naming the problem if the constraint is invalid."""
+        self.compile(params)
+        return params.compiled[1].deep_copy()
 
     def allowed_tokens(self, matcher: Any) -> torch.Tensor:
         """bool [vocab_size]: the tokens the matcher accepts next (EOS only where the grammar may end)."""

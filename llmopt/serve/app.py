@@ -4,7 +4,8 @@ Routes live in `llmopt.serve.routes` (completions, chat, models + tokenize, heal
 one APIRouter each; request bodies are the pydantic models of `llmopt.serve.protocol`, so
 /openapi.json documents every body and the error answers. Every refusal is an OpenAI error
 object with a 4xx status (a malformed body too: 400, not FastAPI's 422); a client that
-disconnects mid-stream has its request aborted.
+disconnects, mid-stream or while waiting for a whole answer, has its requests aborted
+(`llmopt.serve.disconnect`).
 """
 
 from __future__ import annotations
@@ -21,11 +22,12 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from llmopt import __version__
 from llmopt.errors import LlmoptError
 from llmopt.runtime.engine_protocol import ServingEngine
+from llmopt.serve.disconnect import BodyTimeout, BodyTooLarge, read_body, run_until_disconnect
 from llmopt.serve.metrics import ServerMetrics
 from llmopt.serve.protocol import RequestError, error_body
 from llmopt.serve.request_path import ServeConfig, Serving
@@ -41,6 +43,7 @@ def build_app(engine: ServingEngine, config: ServeConfig) -> FastAPI:
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         yield
         # uvicorn gets here after its graceful shutdown: stop the engine's thread (after its current step)
+        app.state.serving.preparer.shutdown()
         await asyncio.to_thread(engine.shutdown)
 
     app = FastAPI(title="llmopt", version=__version__, docs_url=None, redoc_url=None, lifespan=lifespan)
@@ -123,7 +126,8 @@ async def _on_server_error(_request: Request, exc: Exception) -> JSONResponse:
 
 
 class _Guard:
-    """API key, body-size and content-type handling before any route. Plain ASGI:
+    """API key, body size and read time, content type, and cancellation on disconnect around every
+    route. Plain ASGI:
     `@app.middleware("http")` (BaseHTTPMiddleware) would relay every SSE chunk through one more
     memory stream and task."""
 
@@ -138,9 +142,11 @@ class _Guard:
         refusal = self._refusal(headers, scope["path"])
         if refusal is None and scope["method"] == "POST":
             scope = _as_json(scope, headers)
-            if "content-length" not in headers:  # a chunked body: count it here
-                body, refusal = await self._read_body(receive)
-                receive = _replay(body, receive)
+            body, refusal = await self._read_body(receive)
+            if refusal is None:
+                if body is not None:  # (None: the client went away)
+                    await run_until_disconnect(self.app, scope, body, receive, send)
+                return
         if refusal is not None:
             await _error(refusal)(scope, receive, send)
             return
@@ -148,7 +154,7 @@ class _Guard:
 
     def _refusal(self, headers: Headers, path: str) -> RequestError | None:
         api_key, limit = self.config.api_key, self.config.max_body_bytes
-        if api_key and path.startswith("/v1"):
+        if api_key and needs_api_key(path):
             given = headers.get("authorization", "")
             if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
                 return RequestError("invalid or missing API key", 401, type_="authentication_error",
@@ -158,18 +164,27 @@ class _Guard:
             return _too_large(limit)
         return None
 
-    async def _read_body(self, receive: Receive) -> tuple[bytes, RequestError | None]:
-        limit, parts, size = self.config.max_body_bytes, [], 0
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":  # the client went away
-                return b"", None
-            parts.append(message.get("body", b""))
-            size += len(parts[-1])
-            if size > limit:
-                return b"", _too_large(limit)
-            if not message.get("more_body", False):
-                return b"".join(parts), None
+    async def _read_body(self, receive: Receive) -> tuple[bytes | None, RequestError | None]:
+        """The whole body (None if the client went away) or why it is refused: over the size
+        limit (a chunked body is counted as it comes), or not complete within --read-timeout."""
+        limit, timeout = self.config.max_body_bytes, self.config.read_timeout
+        try:
+            return await read_body(receive, limit, timeout), None
+        except BodyTooLarge:
+            return None, _too_large(limit)
+        except BodyTimeout:
+            return None, RequestError(f"the request body did not arrive within {timeout:g} s (--read-timeout)", 408,
+                                      code="request_timeout")
+
+
+# outside /v1 only what monitoring reads (/health, /version, /metrics) and the API's description
+# answer without the key. vLLM leaves /tokenize and /detokenize open as well; they are closed here
+# because tokenizing is work a stranger could make the server do (up to the body-size limit).
+KEYED_PATHS = ("/tokenize", "/detokenize")
+
+
+def needs_api_key(path: str) -> bool:
+    return path.startswith("/v1") or path in KEYED_PATHS
 
 
 def _too_large(limit: int) -> RequestError:
@@ -184,17 +199,3 @@ def _as_json(scope: Scope, headers: Headers) -> Scope:
         return scope
     raw = [(k, v) for k, v in scope["headers"] if k.lower() != b"content-type"]
     return {**scope, "headers": [*raw, (b"content-type", b"application/json")]}
-
-
-def _replay(body: bytes, receive: Receive) -> Receive:
-    """A `receive` that gives `body` first, then what the client sends next (its disconnect)."""
-    sent = False
-
-    async def replay() -> Message:
-        nonlocal sent
-        if not sent:
-            sent = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        return await receive()
-
-    return replay

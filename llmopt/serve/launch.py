@@ -35,7 +35,16 @@ class ServeArgs:
     api_key: Optional[str] = option(None, "Require 'Authorization: Bearer KEY' (or set LLMOPT_API_KEY).",
                                     recipe=None)
     served_model_name: Optional[str] = option(None, "Model name clients use (default: MODEL).")
-    max_queue: int = option(256, "Waiting requests beyond this get 503 + Retry-After.", ge=1)
+    max_queue: int = option(256, "Waiting sequences (prompts x n) beyond this get 503 + Retry-After; a request "
+                            "asking for more than this at once gets 400.", ge=1)
+    max_prompts_per_request: int = option(64, "Prompts one request may hold (a completions prompt list); more get "
+                                          "400.", ge=1)
+    prepare_timeout: float = option(10.0, "Seconds to render, tokenize and compile the output constraint of a "
+                                    "request (on worker threads, off the event loop); longer gets 400.", gt=0)
+    read_timeout: float = option(30.0, "Seconds a client has to send a request's headers (then the connection is "
+                                 "closed) and again its body (then 408).", gt=0)
+    timeout_keep_alive: float = option(5.0, "Seconds an idle keep-alive connection stays open (uvicorn's "
+                                       "--timeout-keep-alive).", gt=0)
     log_requests: bool = option(False, "Log prompt contents.", "--log-requests")
     engine: EngineArgs = group(EngineArgs)
 
@@ -45,8 +54,11 @@ class ServeArgs:
             raise LlmoptError(f"unknown engine {self.engine_name!r}; available: {', '.join(ENGINES)}")
         if not 0 < self.port < 65536:
             raise LlmoptError(f"--port must be 1-65535, got {self.port}")
-        if self.max_queue < 1:
-            raise LlmoptError(f"--max-queue must be positive, got {self.max_queue}")
+        for flag, value in (("--max-queue", self.max_queue), ("--max-prompts-per-request", self.max_prompts_per_request),
+                            ("--prepare-timeout", self.prepare_timeout), ("--read-timeout", self.read_timeout),
+                            ("--timeout-keep-alive", self.timeout_keep_alive)):
+            if not value > 0:  # NaN too
+                raise LlmoptError(f"{flag} must be positive, got {value}")
         if self.engine_name != "vllm":
             if self.tensor_parallel_size != 1 or self.quantization:
                 raise LlmoptError("--tensor-parallel-size and --quantization apply to --engine vllm only")
@@ -67,6 +79,7 @@ def run_server(args: ServeArgs, announce=print) -> None:
 
     from llmopt.runtime.engine_protocol import ServingEngine
     from llmopt.serve.app import ServeConfig, build_app
+    from llmopt.serve.http_timeouts import uvicorn_protocol
 
     async_engine: ServingEngine
     if args.engine_name == "llama.cpp":
@@ -85,12 +98,15 @@ def run_server(args: ServeArgs, announce=print) -> None:
         description = (f"{loaded.config.architecture}, {loaded.dtype}, {loaded.device}; engine llmopt, KV cache "
                        f"{kv.num_blocks} blocks x {kv.block_size} tokens, {kv_dtype}")
     serve_config = ServeConfig(served_model_name=args.served_model_name or args.model, api_key=api_key,
-                               max_queue=args.max_queue, log_requests=args.log_requests)
+                               max_queue=args.max_queue, max_prompts_per_request=args.max_prompts_per_request,
+                               read_timeout=args.read_timeout, prepare_timeout=args.prepare_timeout,
+                               log_requests=args.log_requests)
     app = build_app(async_engine, serve_config)
     announce(f"llmopt serve: model {serve_config.served_model_name} ({description}), "
              f"max_model_len {async_engine.max_model_len}, auth {'on' if serve_config.api_key else 'off'}\n"
              f"listening on http://{args.host}:{args.port}/v1")
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=10)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=10,
+                timeout_keep_alive=args.timeout_keep_alive, http=uvicorn_protocol(args.read_timeout))
 
 
 def vllm_command(args: ServeArgs, api_key: str | None = None) -> list[str]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Literal, Union, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, field_validator
 
 from llmopt.errors import LlmoptError
 from llmopt.runtime import SamplingParams
@@ -17,6 +17,8 @@ from llmopt.runtime.engine_protocol import ServingEngine
 from llmopt.runtime.structured_outputs import StructuredOutputsParams
 
 MAX_N = 8
+# OpenAI's own limit on a chat request's messages
+MAX_MESSAGES = 2048
 Role = Literal["system", "user", "assistant", "tool", "developer"]
 ROLES = set(get_args(Role))
 
@@ -40,25 +42,29 @@ class SamplingRequest(BaseModel):
     """What chat and completions requests share: the model, sampling and output-format fields."""
 
     # OpenAI clients send fields we do not use (user, metadata, ...): accept them (`ignored_fields`
-    # names them for a warning); the known ones we cannot honour are refused (`check_supported`)
-    model_config = ConfigDict(extra="allow")
+    # names them for a warning); the known ones we cannot honour are refused (`check_supported`).
+    # Values as OpenAI's schema types them (pydantic's strict types): integers are JSON integers
+    # (not `true`, "5" or 5.0), numbers are numbers (not `true` or "1"), booleans are booleans;
+    # and numbers are finite (Python's JSON reader takes NaN, Infinity and 1e999).
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
     refused: ClassVar[tuple[str, ...]] = tuple(UNSUPPORTED_FIELDS)
 
     model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=-1)
-    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
-    seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)  # torch's range, as vLLM
+    max_tokens: StrictInt | None = Field(default=None, ge=1)
+    temperature: StrictFloat = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: StrictFloat = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: StrictInt = Field(default=0, ge=-1)
+    min_p: StrictFloat = Field(default=0.0, ge=0.0, le=1.0)
+    seed: StrictInt | None = Field(default=None, ge=-(2**63), le=2**63 - 1)  # torch's range, as vLLM
     stop: Union[str, list[str], None] = None
-    n: int = Field(default=1, ge=1, le=MAX_N)
-    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    repetition_penalty: float = Field(default=1.0, gt=0.0)
-    min_tokens: int = Field(default=0, ge=0)
-    ignore_eos: bool = False
-    stream: bool = False
+    n: StrictInt = Field(default=1, ge=1, le=MAX_N)
+    presence_penalty: StrictFloat = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: StrictFloat = Field(default=0.0, ge=-2.0, le=2.0)
+    # 1 = off; above 2 every repeated token is all but ruled out (vLLM bounds it below only)
+    repetition_penalty: StrictFloat = Field(default=1.0, gt=0.0, le=2.0)
+    min_tokens: StrictInt = Field(default=0, ge=0)
+    ignore_eos: StrictBool = False
+    stream: StrictBool = False
     stream_options: dict[str, Any] | None = None
 
     @field_validator("stop")
@@ -131,6 +137,11 @@ class SamplingRequest(BaseModel):
     def tokenized_prompts(self, engine: ServingEngine) -> list[tuple[str | None, list[int]]]:
         """(text or None, token ids) of each prompt to run, `n` choices each; LlmoptError if one is unusable."""
         raise NotImplementedError
+
+    @property
+    def num_prompts(self) -> int:
+        """How many prompts the request holds (each runs `n` sequences)."""
+        return 1
 
     @property
     def max_tokens_wanted(self) -> int | None:
@@ -221,10 +232,10 @@ class ChatCompletionRequest(SamplingRequest):
          "response_format": {"type": "json_schema", "json_schema": {"name": "colour", "strict": True, "schema": {
              "type": "object", "properties": {"colour": {"enum": ["red", "blue"]}}, "required": ["colour"]}}}},
     ]})
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
+    max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=20)
     # vLLM scores chat prompts too; llmopt only on /v1/completions
     refused: ClassVar[tuple[str, ...]] = (*UNSUPPORTED_FIELDS, "prompt_logprobs", "echo")
 
@@ -234,8 +245,8 @@ class ChatCompletionRequest(SamplingRequest):
         return [{"role": m.role, "content": m.text()} for m in self.messages]
 
     def tokenized_prompts(self, engine: ServingEngine) -> list[tuple[str | None, list[int]]]:
-        text = engine.tokenizer.apply_chat_template(self.chat_messages(), add_generation_prompt=True)
-        return [(text, engine.tokenizer.encode(text, add_special_tokens=False))]
+        # message content stays text: special-token text in it is not read as a control token
+        return [engine.tokenizer.chat_prompt(self.chat_messages(), add_generation_prompt=True)]
 
     @property
     def max_tokens_wanted(self) -> int | None:
@@ -255,12 +266,12 @@ class CompletionRequest(SamplingRequest):
          "stop": ["."], "logprobs": 2, "prompt_logprobs": 1},
         {"prompt": "The sky is", "max_tokens": 4, "structured_outputs": {"choice": ["blue", "grey"]}},
     ]})
-    prompt: Union[str, list[str], list[int], list[list[int]]]
+    prompt: Union[str, list[str], list[StrictInt], list[list[StrictInt]]]
     # 0 is allowed here: with echo (or prompt_logprobs) it scores the prompt alone
-    max_tokens: int | None = Field(default=None, ge=0)
-    echo: bool = False
-    logprobs: int | None = Field(default=None, ge=0, le=20)
-    prompt_logprobs: int | None = Field(default=None, ge=0, le=20)  # vLLM's extra parameter
+    max_tokens: StrictInt | None = Field(default=None, ge=0)
+    echo: StrictBool = False
+    logprobs: StrictInt | None = Field(default=None, ge=0, le=20)
+    prompt_logprobs: StrictInt | None = Field(default=None, ge=0, le=20)  # vLLM's extra parameter
 
     prompt_field: ClassVar[str] = "prompt"
 
@@ -281,6 +292,10 @@ class CompletionRequest(SamplingRequest):
             return max(wanted)
         return 0 if self.max_tokens == 0 else None
 
+    @property
+    def num_prompts(self) -> int:
+        return len(self.prompts())
+
     def tokenized_prompts(self, engine: ServingEngine) -> list[tuple[str | None, list[int]]]:
         return [engine.tokenize_prompt(prompt) for prompt in self.prompts()]
 
@@ -299,14 +314,14 @@ class TokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True
+    messages: list[ChatMessage] | None = Field(default=None, max_length=MAX_MESSAGES)
+    add_special_tokens: StrictBool = True
 
 
 class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
     model: str | None = None
-    tokens: list[int]
+    tokens: list[StrictInt]
 
 
 class ErrorInfo(BaseModel):

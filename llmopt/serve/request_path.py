@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import secrets
@@ -28,6 +29,7 @@ from llmopt.errors import LlmoptError
 from llmopt.runtime.engine_protocol import ServingEngine
 from llmopt.runtime.outputs import CompletionOutput, RequestOutput
 from llmopt.runtime.sampling_params import SamplingParams
+from llmopt.serve.limits import FieldWarnings, Preparer, check_queue_room, check_request_size
 from llmopt.serve.metrics import ServerMetrics
 from llmopt.serve.protocol import RequestError, SamplingRequest
 
@@ -41,8 +43,11 @@ FreshTokens = tuple[list[int], list[dict[int, float]]] | None
 class ServeConfig:
     served_model_name: str
     api_key: str | None = None
-    max_queue: int = 256  # waiting requests beyond this get 503 + Retry-After
+    max_queue: int = 256  # waiting sequences (prompts x n) beyond this get 503 + Retry-After
+    max_prompts_per_request: int = 64
     max_body_bytes: int = 10 * 1024 * 1024
+    read_timeout: float = 30.0  # seconds for a request's body to arrive (its headers: launch.py)
+    prepare_timeout: float = 10.0  # seconds to tokenize a request and compile its output constraint
     log_requests: bool = False
 
 
@@ -100,7 +105,11 @@ class Serving:
     engine: ServingEngine
     config: ServeConfig
     metrics: ServerMetrics
-    warned_fields: set[str] = field(default_factory=set)
+    field_warnings: FieldWarnings = field(default_factory=FieldWarnings)
+    preparer: Preparer = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.preparer = Preparer(self.config.prepare_timeout)
 
     @property
     def tokenizer(self) -> Any:
@@ -111,24 +120,32 @@ class Serving:
         return self.engine.max_model_len
 
     # ---- checking a request --------------------------------------------------------------
+    async def prepare(self, body: SamplingRequest) -> CheckedRequest:
+        """`check` on a worker thread, bounded by --prepare-timeout: rendering, tokenizing and
+        compiling a constraint never hold up the event loop (other clients, /health)."""
+        return await self.preparer.run(functools.partial(self.check, body), "preparing the request")
+
     def check(self, body: SamplingRequest) -> CheckedRequest:
-        """Refuse known fields llmopt cannot honour and another model's name (naming each ignored
-        field in one warning per name), tokenize the prompts and build every choice's parameters."""
+        """Refuse known fields llmopt cannot honour, another model's name and more prompts than
+        allowed (naming each ignored field in one warning per name), tokenize the prompts, compile
+        the output constraint and build every choice's parameters. Any thread."""
         body.check_supported()
         name = self.config.served_model_name
         if body.model is not None and body.model != name:
             raise RequestError(f"the model {body.model!r} does not exist; this server serves {name!r}",
                                404, param="model", type_="not_found_error", code="model_not_found")
-        for field_name in body.ignored_fields():
-            if field_name not in self.warned_fields:
-                self.warned_fields.add(field_name)
-                logger.warning("ignoring request field %r: llmopt serve does not use it (logged once per name)",
-                               field_name)
+        self.field_warnings.note(body.ignored_fields())
+        check_request_size(body.num_prompts, body.n, self.config.max_prompts_per_request, self.config.max_queue)
         try:
             prompts = body.tokenized_prompts(self.engine)
         except LlmoptError as exc:
             raise RequestError(str(exc), param=body.prompt_field) from None
         structured = body.structured()
+        if structured is not None:  # compiled once here for all choices, so add_request only copies it
+            try:
+                self.engine.compile_structured_outputs(structured)
+            except LlmoptError as exc:
+                raise RequestError(str(exc), param=body.param(exc.param or "structured_outputs")) from None
         choices = []
         for p, (text, ids) in enumerate(prompts):
             # without max_tokens, what the context leaves (at least 1: a prompt that fills the
@@ -159,8 +176,7 @@ class Serving:
     def start(self, request: CheckedRequest) -> None:
         """Add every choice to the engine, or none of them (RequestError)."""
         engine, choices = self.engine, request.choices
-        if engine.stats().num_requests_waiting >= self.config.max_queue:
-            raise RequestError("the server is at capacity; retry shortly", 503, type_="server_busy")
+        check_queue_room(len(choices), engine.stats().num_requests_waiting, self.config.max_queue)
         try:
             for choice in choices:
                 choice.request_id = engine.add_request(

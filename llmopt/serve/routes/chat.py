@@ -18,7 +18,7 @@ router = APIRouter(tags=["chat"], responses=ERROR_RESPONSES)
 @router.post("/v1/chat/completions", response_model=None,
              summary="OpenAI chat completions: a chat.completion, or server-sent chunks with stream: true")
 async def chat_completions(body: ChatCompletionRequest, serving: ServingDep) -> dict[str, Any] | StreamingResponse:
-    return await serving.respond(serving.check(body), ChatRenderer(serving, body))
+    return await serving.respond(await serving.prepare(body), ChatRenderer(serving, body))
 
 
 class ChatRenderer(Renderer):

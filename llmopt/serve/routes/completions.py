@@ -21,7 +21,7 @@ PromptScores = list[dict[int, float] | None] | None
 @router.post("/v1/completions", response_model=None,
              summary="OpenAI completions: a text_completion, or server-sent chunks with stream: true")
 async def completions(body: CompletionRequest, serving: ServingDep) -> dict[str, Any] | StreamingResponse:
-    return await serving.respond(serving.check(body), CompletionRenderer(serving, body))
+    return await serving.respond(await serving.prepare(body), CompletionRenderer(serving, body))
 
 
 class CompletionRenderer(Renderer):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from fastapi import APIRouter
@@ -10,8 +11,8 @@ from llmopt.serve.protocol import ERROR_RESPONSES, DetokenizeRequest, RequestErr
 from llmopt.serve.request_path import ServingDep
 
 router = APIRouter(tags=["models"])
-# /tokenize and /detokenize name no model and sit outside /v1 (no API key): only a bad body is refused
-_BAD_BODY = {400: ERROR_RESPONSES[400], 413: ERROR_RESPONSES[413]}
+# /tokenize and /detokenize name no model: a bad body or a missing key (with --api-key) is refused
+_BAD_BODY = {400: ERROR_RESPONSES[400], 401: ERROR_RESPONSES[401], 413: ERROR_RESPONSES[413]}
 
 
 @router.get("/v1/models", responses={401: ERROR_RESPONSES[401]})
@@ -22,20 +23,28 @@ async def models(serving: ServingDep) -> dict[str, Any]:
 
 @router.post("/tokenize", responses=_BAD_BODY)
 async def tokenize(body: TokenizeRequest, serving: ServingDep) -> dict[str, Any]:
-    tokenizer = serving.tokenizer
-    if body.messages is not None:
-        ids = tokenizer.encode_chat([{"role": m.role, "content": m.text()} for m in body.messages])
-    elif body.prompt is not None:
-        ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
-    else:
-        raise RequestError("give 'prompt' or 'messages'", param="prompt")
+    # on a worker thread: a long text or a long chat's template costs seconds
+    ids = await serving.preparer.run(functools.partial(_tokenize, body, serving.tokenizer), "tokenizing")
     return {"tokens": ids, "count": len(ids), "max_model_len": serving.max_model_len}
+
+
+def _tokenize(body: TokenizeRequest, tokenizer: Any) -> list[int]:
+    if body.messages is not None:
+        return tokenizer.encode_chat([{"role": m.role, "content": m.text()} for m in body.messages])
+    if body.prompt is not None:
+        return tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+    raise RequestError("give 'prompt' or 'messages'", param="prompt")
 
 
 @router.post("/detokenize", responses=_BAD_BODY)
 async def detokenize(body: DetokenizeRequest, serving: ServingDep) -> dict[str, Any]:
-    tokenizer = serving.tokenizer
-    bad = [t for t in body.tokens if not 0 <= t < tokenizer.vocab_size]
-    if bad:
-        raise RequestError(f"token id {bad[0]} is outside the vocabulary", param="tokens")
-    return {"prompt": tokenizer.decode(body.tokens, skip_special_tokens=False)}
+    text = await serving.preparer.run(functools.partial(_detokenize, body.tokens, serving.tokenizer), "detokenizing")
+    return {"prompt": text}
+
+
+def _detokenize(tokens: list[int], tokenizer: Any) -> str:
+    vocab_size = tokenizer.vocab_size
+    bad = next((t for t in tokens if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise RequestError(f"token id {bad} is outside the vocabulary", param="tokens")
+    return tokenizer.decode(tokens, skip_special_tokens=False)
