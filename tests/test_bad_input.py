@@ -210,6 +210,9 @@ def test_bad_engine_options(tiny_models, args, fragment):
     "args, fragment",
     [(["--engine", "tgi"], "unknown engine 'tgi'"), (["--port", "70000"], "--port must be 1-65535"),
      (["--max-queue", "0"], "--max-queue must be positive"),
+     (["--max-prompts-per-request", "0"], "--max-prompts-per-request must be positive"),
+     (["--read-timeout", "0"], "--read-timeout must be positive"),
+     (["--prepare-timeout", "nan"], "--prepare-timeout must be positive"),
      (["--engine", "llama.cpp"], "runs .gguf files")],
 )
 def test_bad_serve_options(tiny_models, args, fragment):
