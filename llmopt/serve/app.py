@@ -43,7 +43,6 @@ def build_app(engine: ServingEngine, config: ServeConfig) -> FastAPI:
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         yield
         # uvicorn gets here after its graceful shutdown: stop the engine's thread (after its current step)
-        app.state.serving.preparer.shutdown()
         await asyncio.to_thread(engine.shutdown)
 
     app = FastAPI(title="llmopt", version=__version__, docs_url=None, redoc_url=None, lifespan=lifespan)

@@ -56,7 +56,9 @@ class Preparer:
     worker threads, each call bounded in time.
 
     A thread cannot be stopped: a preparation that times out is answered with a 400 at once and
-    finishes in the background; the size caps (body, messages, prompts) keep that finite."""
+    finishes in the background; the size caps (body, messages, prompts) keep that finite. The
+    pool lives as long as the app (an app may be started and stopped several times, as tests
+    do); idle workers end with the interpreter."""
 
     def __init__(self, timeout: float, workers: int = PREPARE_WORKERS):
         self.timeout = timeout
@@ -71,9 +73,6 @@ class Preparer:
         except asyncio.TimeoutError:
             raise RequestError(f"{what} took longer than {self.timeout:g} s (--prepare-timeout); make the request "
                                "smaller or simpler", code="prepare_timeout") from None
-
-    def shutdown(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 class FieldWarnings:
