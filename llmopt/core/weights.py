@@ -143,6 +143,12 @@ class CheckpointReader:
     def __contains__(self, name: str) -> bool:
         return name in self.entries
 
+    def __iter__(self):
+        return iter(self.entries)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.get(name)
+
     def names(self) -> list[str]:
         return list(self.entries)
 
