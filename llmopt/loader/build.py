@@ -23,6 +23,12 @@ def build_model(
     """Our decoder holding `tensors` (HF names), checked for missing and mis-shaped tensors,
     its ops and layers set up for kernel backend `backend` (default: the reference)."""
     backend = backend or ReferenceBackend()
+    # the decoder is built from the config before any tensor is matched: a layer count the checkpoint
+    # cannot fill (num_hidden_layers 2**31) is refused here, not after building that many layers
+    held = {name.split(".")[2] for name in tensors if name.startswith("model.layers.")}
+    if config.num_hidden_layers > len(held):
+        raise LlmoptError(f"{where}: the config says num_hidden_layers={config.num_hidden_layers}, but the "
+                          f"checkpoint holds tensors for {len(held)} layer(s)")
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
     expected = {name: p.shape for name, p in model.named_parameters()}
