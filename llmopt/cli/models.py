@@ -54,8 +54,13 @@ def info(
     spec: str = typer.Argument(..., help="'default', a model folder, a .gguf file or a hub id"),
     json_output: bool = typer.Option(False, "--json", help="Print one JSON document."),
 ) -> None:
-    """Show a model's architecture and quantization."""
-    doc = describe(resolve(spec))
+    """Show a model's architecture and quantization (its weight files' headers checked)."""
+    from llmopt.core.weights import check_safetensors, safetensors_files
+
+    source = resolve(spec)
+    if source.kind != "gguf":  # a GGUF file's tensors are checked against its size when it is read
+        check_safetensors(safetensors_files(source.path))
+    doc = describe(source)
     if json_output:
         print_json(doc)
         return
@@ -84,13 +89,13 @@ def convert(
 ) -> None:
     """Write a model as a Hugging Face folder (config.json + safetensors + tokenizer)."""
     from llmopt.core.convert import DTYPES, convert_source
+    from llmopt.core.output_paths import check_output
 
     if dtype not in DTYPES:
         raise LlmoptError(f"unknown dtype {dtype!r}; choose one of: {', '.join(DTYPES)}")
     if load_format not in LOAD_FORMATS:
         raise LlmoptError(f"unknown load format {load_format!r}; choose one of: {', '.join(LOAD_FORMATS)}")
-    if output.exists() and not force:
-        raise LlmoptError(f"{output} already exists; pass --force to replace it")
+    check_output(output, force, flag="--force")
     source = resolve(spec)
     folder = convert_source(source, output, dtype=dtype, overwrite=force, load_format=load_format)
     doc = {"spec": spec, "output": str(folder), "dtype": dtype, "load_format": load_format}

@@ -215,23 +215,30 @@ def _hf_config(reader, arch: str, tensor_names: set[str], path: Path) -> dict[st
             raise LlmoptError(f"{path}: GGUF metadata is missing {arch}.{name}")
         return value
 
-    heads = int(key("attention.head_count", required=True))
-    hidden = int(key("embedding_length", required=True))
+    # values go into the config as stored: ModelConfig.from_hf checks each (type, positive, heads divide)
+    heads = key("attention.head_count", required=True)
+    hidden = key("embedding_length", required=True)
+    blocks = key("block_count", required=True)
+    _check_block_count(blocks, tensor_names, path)
     tokens = _field(reader, "tokenizer.ggml.tokens") or []
+    eps = key("attention.layer_norm_rms_epsilon", 1e-5)
+    head_dim = key("rope.dimension_count")
+    if head_dim is None and isinstance(hidden, int) and isinstance(heads, int) and heads > 0:
+        head_dim = hidden // heads
     config: dict[str, Any] = {
         "architectures": [SUPPORTED_GGUF_ARCHITECTURES[arch]],
         "model_type": arch,
         "hidden_size": hidden,
-        "intermediate_size": int(key("feed_forward_length", required=True)),
-        "num_hidden_layers": int(key("block_count", required=True)),
+        "intermediate_size": key("feed_forward_length", required=True),
+        "num_hidden_layers": blocks,
         "num_attention_heads": heads,
-        "num_key_value_heads": int(key("attention.head_count_kv", heads)),
-        "head_dim": int(key("rope.dimension_count", hidden // heads)),
+        "num_key_value_heads": key("attention.head_count_kv", heads),
+        "head_dim": head_dim,
         # stored as float32 in GGUF: print it back the way the original config wrote it
-        "rms_norm_eps": float(f'{key("attention.layer_norm_rms_epsilon", 1e-5):.7g}'),
-        "rope_theta": float(key("rope.freq_base", 10000.0)),
-        "max_position_embeddings": int(key("context_length", 2048)),
-        "vocab_size": int(key("vocab_size", len(tokens))),
+        "rms_norm_eps": float(f"{eps:.7g}") if isinstance(eps, float) else eps,
+        "rope_theta": key("rope.freq_base", 10000.0),
+        "max_position_embeddings": key("context_length", 2048),
+        "vocab_size": key("vocab_size", len(tokens)),
         "tie_word_embeddings": "output.weight" not in tensor_names,
         "hidden_act": "silu",
         "attention_bias": any(n.endswith("attn_q.bias") for n in tensor_names) and arch == "llama",
@@ -247,6 +254,17 @@ def _hf_config(reader, arch: str, tensor_names: set[str], path: Path) -> dict[st
         if value is not None:
             config[f"{name}_token_id"] = int(value)
     return config
+
+
+def _check_block_count(blocks: Any, tensor_names: set[str], path: Path) -> None:
+    """block_count must be the blocks the file holds tensors for: the decoder is built from it, so a
+    wrong count (2**31) would build that many layers before any tensor is looked at."""
+    held = {int(m.group(1)) for name in tensor_names if (m := re.match(r"blk\.(\d+)\.", name))}
+    # held is blocks 0..N-1 exactly when it has N members, the largest N-1 (no range(N) is built)
+    if (not isinstance(blocks, int) or isinstance(blocks, bool) or len(held) != blocks
+            or max(held, default=-1) != blocks - 1):
+        raise LlmoptError(f"{path}: GGUF metadata says block_count={blocks!r}, but the file holds tensors for "
+                          f"{len(held)} block(s){' (numbered 0..' + str(max(held)) + ')' if held else ''}")
 
 
 def _tokenizer(reader, path: Path) -> Tokenizer:

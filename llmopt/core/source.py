@@ -138,6 +138,11 @@ def _quantization_of(raw: dict[str, Any], where: Path) -> QuantizationInfo | Non
         )
     bits = qc.get("bits", qc.get("w_bit"))
     group = qc.get("group_size", qc.get("q_group_size"))
+    for key, value, lowest in (("bits", bits, 1), ("group_size", group, -1)):
+        bad = isinstance(value, bool) or not isinstance(value, int) or value == 0 or value < lowest
+        if value is not None and bad:
+            raise LlmoptError(f"{where}: quantization_config {key} must be a positive integer"
+                              f"{' (or -1: per channel)' * (lowest < 0)}, got {value!r}")
     return QuantizationInfo(method=method, bits=bits, group_size=group, details=dict(qc))
 
 

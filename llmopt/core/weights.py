@@ -50,6 +50,23 @@ def load_safetensors(files: list[Path]) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def check_safetensors(files: list[Path]) -> int:
+    """Each file's header read and checked without reading tensor data: safetensors' own `safe_open`
+    refuses a header that does not parse, offsets that overlap or leave gaps, a tensor whose byte
+    range does not fit its shape and dtype, and data that does not end where the file does.
+    LlmoptError naming the first bad file; returns the number of tensors."""
+    from safetensors import SafetensorError, safe_open
+
+    count = 0
+    for path in files:
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                count += len(f.keys())
+        except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+            raise LlmoptError(f"{path} is not a readable safetensors file (corrupt or truncated?): {exc}") from None
+    return count
+
+
 def save_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
     from safetensors.torch import save_file
 

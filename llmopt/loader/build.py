@@ -45,6 +45,12 @@ def build_model(
     `int4_kernels` is False (code that rewrites weights), and everything on the reference
     backend get dense dequantized weights."""
     backend = backend or ReferenceBackend()
+    # the decoder is built from the config before any tensor is matched: a layer count the checkpoint
+    # cannot fill (num_hidden_layers 2**31) is refused here, not after building that many layers
+    held = {name.split(".")[2] for name in weights if name.startswith("model.layers.")}
+    if config.num_hidden_layers > len(held):
+        raise LlmoptError(f"{where}: the config says num_hidden_layers={config.num_hidden_layers}, but the "
+                          f"checkpoint holds tensors for {len(held)} layer(s)")
     grid_of = _grid_reader(weights, quant, int4_kernels, where)
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
