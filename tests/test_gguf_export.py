@@ -253,6 +253,11 @@ def test_existing_output_needs_overwrite(tiny_models, tmp_path):
     with pytest.raises(LlmoptError, match="already exists"):
         write_gguf(out, *model_inputs(tiny_models["llama"]), "F16")
     assert out.read_bytes() == b"keep me"
+    with pytest.raises(LlmoptError, match="llmopt did not write"):  # overwrite replaces only a GGUF file
+        write_gguf(out, *model_inputs(tiny_models["llama"]), "F16", overwrite=True)
+    assert out.read_bytes() == b"keep me"
+    out.unlink()
+    write_gguf(out, *model_inputs(tiny_models["llama"]), "Q8_0")
     write_gguf(out, *model_inputs(tiny_models["llama"]), "F16", overwrite=True, metadata={"general.name": "tiny"})
     assert read_gguf(out).file_type == "F16"
     assert gguf.GGUFReader(str(out)).fields["general.name"].contents() == "tiny"

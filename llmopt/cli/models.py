@@ -10,6 +10,7 @@ from rich.table import Table
 
 from llmopt.cli.common import console, handles_errors, print_json
 from llmopt.core import ModelSource, resolve
+from llmopt.core.source import LOAD_FORMATS
 from llmopt.errors import LlmoptError
 
 app = typer.Typer(help="Inspect and convert models.", no_args_is_help=True)
@@ -53,8 +54,13 @@ def info(
     spec: str = typer.Argument(..., help="'default', a model folder, a .gguf file or a hub id"),
     json_output: bool = typer.Option(False, "--json", help="Print one JSON document."),
 ) -> None:
-    """Show a model's architecture and quantization."""
-    doc = describe(resolve(spec))
+    """Show a model's architecture and quantization (its weight files' headers checked)."""
+    from llmopt.core.weights import check_safetensors, safetensors_files
+
+    source = resolve(spec)
+    if source.kind != "gguf":  # a GGUF file's tensors are checked against its size when it is read
+        check_safetensors(safetensors_files(source.path))
+    doc = describe(source)
     if json_output:
         print_json(doc)
         return
@@ -76,18 +82,23 @@ def convert(
     output: Path = typer.Option(..., "--output", "-o", help="Folder to write (Hugging Face layout)."),
     dtype: str = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16"),
     force: bool = typer.Option(False, "--force", help="Replace OUTPUT if it exists."),
+    load_format: str = typer.Option(
+        "auto", "--load-format", help="auto: the model's weights; dummy: random weights of its shape (SPEC may be a "
+        "shipped architecture such as llama-3-8b; sharded, with the default model's tokenizer)."),
     json_output: bool = typer.Option(False, "--json", help="Print one JSON document."),
 ) -> None:
     """Write a model as a Hugging Face folder (config.json + safetensors + tokenizer)."""
     from llmopt.core.convert import DTYPES, convert_source
+    from llmopt.core.output_paths import check_output
 
     if dtype not in DTYPES:
         raise LlmoptError(f"unknown dtype {dtype!r}; choose one of: {', '.join(DTYPES)}")
-    if output.exists() and not force:
-        raise LlmoptError(f"{output} already exists; pass --force to replace it")
+    if load_format not in LOAD_FORMATS:
+        raise LlmoptError(f"unknown load format {load_format!r}; choose one of: {', '.join(LOAD_FORMATS)}")
+    check_output(output, force, flag="--force")
     source = resolve(spec)
-    folder = convert_source(source, output, dtype=dtype, overwrite=force)
-    doc = {"spec": spec, "output": str(folder), "dtype": dtype}
+    folder = convert_source(source, output, dtype=dtype, overwrite=force, load_format=load_format)
+    doc = {"spec": spec, "output": str(folder), "dtype": dtype, "load_format": load_format}
     if json_output:
         print_json(doc)
     else:

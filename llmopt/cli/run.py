@@ -38,11 +38,11 @@ def run(
     from llmopt.recipes import load_recipe
     from llmopt.workflow.report import write_commands
     from llmopt.workflow.command_line import render
-    from llmopt.workflow.runner import prepare, run_recipe
+    from llmopt.workflow.runner import prepare, run_folder, run_recipe
     from llmopt.workflow.stages import RECIPE_COPY, SERVE
 
     loaded = load_recipe(recipe, overrides)
-    output = output if output is not None else Path("runs") / (loaded.name or recipe.stem)
+    output = run_folder(loaded, recipe, output)
     stages = prepare(loaded, output)
     commands = [render(s.invocation) for s in stages]
     if dry_run:

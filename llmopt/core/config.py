@@ -8,6 +8,7 @@ rope_parameters, sliding-window keys, bias flags, head_dim present or derived);
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
 }
 SUPPORTED_MODEL_TYPES = set(SUPPORTED_ARCHITECTURES.values())
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+MAX_LAYERS = 4096
 
 _REQUIRED_KEYS = (
     "vocab_size",
@@ -78,19 +80,27 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, raw: dict[str, Any], where: str = "config.json") -> "ModelConfig":
+        """The config of `raw`, every value checked (types, positive sizes, heads that split evenly):
+        a bad value is one LlmoptError naming the key, as transformers' PretrainedConfig refuses it."""
         architecture = _architecture_of(raw, where)
         model_type = SUPPORTED_ARCHITECTURES[architecture]
         missing = [k for k in _REQUIRED_KEYS if raw.get(k) is None]
         if missing:
             raise LlmoptError(f"{where} is missing required key(s): {', '.join(missing)}")
-        try:
-            hidden = int(raw["hidden_size"])
-            heads = int(raw["num_attention_heads"])
-            kv_heads = int(raw.get("num_key_value_heads") or heads)
-            head_dim = int(raw.get("head_dim") or hidden // heads)
-            layers = int(raw["num_hidden_layers"])
-        except (TypeError, ValueError) as exc:
-            raise LlmoptError(f"{where} has a non-integer size field: {exc}") from None
+        get = _Checked(raw, where)
+        hidden = get.size("hidden_size")
+        heads = get.size("num_attention_heads")
+        kv_heads = get.size("num_key_value_heads", heads)
+        # per-layer lists (sliding windows, the decoder's layers) are built from this count before any
+        # weight is read: a bound keeps a crafted 2**31 from taking all the memory (the largest models
+        # have under 200 layers; build_model checks the count against the checkpoint's tensors)
+        layers = get.size("num_hidden_layers", maximum=MAX_LAYERS)
+        if raw.get("head_dim") is None and hidden % heads:
+            raise LlmoptError(f"{where}: hidden_size={hidden} is not a multiple of num_attention_heads={heads} "
+                              "(and no head_dim is given)")
+        head_dim = get.size("head_dim", hidden // heads)
+        if head_dim % 2:
+            raise LlmoptError(f"{where}: head_dim={head_dim} must be even (rotary embeddings rotate pairs)")
         if heads % kv_heads != 0:
             raise LlmoptError(
                 f"{where}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}"
@@ -101,31 +111,31 @@ class ModelConfig:
 
         rope_theta, rope_scaling = _rope_of(raw, where)
         eos = raw.get("eos_token_id")
-        eos_ids = [int(e) for e in (eos if isinstance(eos, list) else [eos]) if e is not None]
-        bias = bool(raw.get("attention_bias", False))
+        eos_ids = [get.token_id("eos_token_id", e) for e in (eos if isinstance(eos, list) else [eos]) if e is not None]
+        bias = get.flag("attention_bias")
         return cls(
             architecture=architecture,
             model_type=model_type,
-            vocab_size=int(raw["vocab_size"]),
+            vocab_size=get.size("vocab_size"),
             hidden_size=hidden,
-            intermediate_size=int(raw["intermediate_size"]),
+            intermediate_size=get.size("intermediate_size"),
             num_hidden_layers=layers,
             num_attention_heads=heads,
             num_key_value_heads=kv_heads,
             head_dim=head_dim,
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rms_norm_eps=get.positive_number("rms_norm_eps", 1e-6),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
-            max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            max_position_embeddings=get.size("max_position_embeddings", 2048),
+            tie_word_embeddings=get.flag("tie_word_embeddings"),
             # qwen2 always has q/k/v bias and never o_proj bias
             attention_bias=True if model_type == "qwen2" else bias,
             o_proj_bias=False if model_type == "qwen2" else bias,
-            mlp_bias=bool(raw.get("mlp_bias", False)),
-            sliding_windows=_sliding_windows_of(raw, model_type, layers),
-            bos_token_id=raw.get("bos_token_id"),
+            mlp_bias=get.flag("mlp_bias"),
+            sliding_windows=_sliding_windows_of(raw, model_type, layers, get),
+            bos_token_id=None if raw.get("bos_token_id") is None else get.token_id("bos_token_id", raw["bos_token_id"]),
             eos_token_ids=eos_ids,
-            torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
+            torch_dtype=get.text("torch_dtype") or get.text("dtype"),
         )
 
     @classmethod
@@ -162,10 +172,14 @@ def _architecture_of(raw: dict[str, Any], where: str) -> str:
 def _rope_of(raw: dict[str, Any], where: str) -> tuple[float, dict[str, Any] | None]:
     # transformers >= 5 writes rope_parameters = {rope_type, rope_theta, ...};
     # older configs write rope_theta and rope_scaling = {type|rope_type, factor, ...}.
+    for key in ("rope_parameters", "rope_scaling"):
+        if raw.get(key) is not None and not isinstance(raw[key], dict):
+            raise LlmoptError(f"{where}: {key} must be an object, got {raw[key]!r}")
     params = dict(raw.get("rope_parameters") or {})
     scaling = dict(raw.get("rope_scaling") or {})
     merged = {**scaling, **params}
-    theta = float(merged.pop("rope_theta", raw.get("rope_theta", 10000.0)))
+    theta = _Checked({"rope_theta": merged.pop("rope_theta", raw.get("rope_theta"))}, where).positive_number(
+        "rope_theta", 10000.0)
     rope_type = merged.pop("rope_type", None) or merged.pop("type", None) or "default"
     merged.pop("type", None)
     if rope_type not in SUPPORTED_ROPE_TYPES:
@@ -176,19 +190,91 @@ def _rope_of(raw: dict[str, Any], where: str) -> tuple[float, dict[str, Any] | N
         return theta, None
     if "factor" not in merged:
         raise LlmoptError(f"{where}: rope scaling {rope_type!r} needs a 'factor'")
+    numbers = _Checked(merged, f"{where}: rope scaling")
+    for key in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
+        if merged.get(key) is not None:
+            numbers.positive_number(key)
     return theta, {"rope_type": rope_type, **merged}
 
 
-def _sliding_windows_of(raw: dict[str, Any], model_type: str, layers: int) -> list[int | None]:
+def _sliding_windows_of(raw: dict[str, Any], model_type: str, layers: int, get: _Checked) -> list[int | None]:
     window = raw.get("sliding_window")
     layer_types = raw.get("layer_types")
     if model_type == "llama" or not window:
         return [None] * layers
+    window = get.size("sliding_window")
     if layer_types and len(layer_types) == layers:
-        return [int(window) if t == "sliding_attention" else None for t in layer_types]
+        return [window if t == "sliding_attention" else None for t in layer_types]
     if model_type == "qwen2":
         if not raw.get("use_sliding_window", False):
             return [None] * layers
-        first = int(raw.get("max_window_layers", layers))
-        return [int(window) if i >= first else None for i in range(layers)]
-    return [int(window)] * layers  # mistral: every layer
+        first = get.count("max_window_layers", layers)
+        return [window if i >= first else None for i in range(layers)]
+    return [window] * layers  # mistral: every layer
+
+
+class _Checked:
+    """Values of a config dict, each checked for type and range; a bad one is one LlmoptError naming the key.
+
+    JSON booleans are not numbers here (Python's bool is an int); whole floats (64.0) count as integers.
+    """
+
+    def __init__(self, raw: dict[str, Any], where: str):
+        self.raw, self.where = raw, where
+
+    def _bad(self, key: str, what: str, value: Any) -> LlmoptError:
+        return LlmoptError(f"{self.where}: {key} must be {what}, got {value!r}")
+
+    def _integer(self, key: str, value: Any, what: str) -> int:
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise self._bad(key, what, value)
+        return value
+
+    def size(self, key: str, default: int | None = None, maximum: int | None = None) -> int:
+        """A positive integer (a width, a count of heads or layers), at most `maximum`."""
+        value = self.raw.get(key)
+        if value is None:
+            value = default
+        value = self._integer(key, value, "a positive integer")
+        if value < 1:
+            raise self._bad(key, "a positive integer", value)
+        if maximum is not None and value > maximum:
+            raise self._bad(key, f"at most {maximum}", value)
+        return value
+
+    def count(self, key: str, default: int) -> int:
+        value = self.raw.get(key)
+        value = self._integer(key, default if value is None else value, "a non-negative integer")
+        if value < 0:
+            raise self._bad(key, "a non-negative integer", value)
+        return value
+
+    def token_id(self, key: str, value: Any) -> int:
+        value = self._integer(key, value, "a token id (a non-negative integer)")
+        if value < 0:
+            raise self._bad(key, "a token id (a non-negative integer)", value)
+        return value
+
+    def positive_number(self, key: str, default: float | None = None) -> float:
+        value = self.raw.get(key)
+        if value is None:
+            value = default
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+            raise self._bad(key, "a positive number", value)
+        return float(value)
+
+    def flag(self, key: str) -> bool:
+        value = self.raw.get(key)
+        if value is None:
+            return False
+        if not isinstance(value, bool):
+            raise self._bad(key, "true or false", value)
+        return value
+
+    def text(self, key: str) -> str | None:
+        value = self.raw.get(key)
+        if value is not None and not isinstance(value, str):
+            raise self._bad(key, "a string", value)
+        return value

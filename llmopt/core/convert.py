@@ -7,6 +7,7 @@ written atomically: a crash leaves no folder a later run would trust.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,7 @@ from llmopt import __version__
 from llmopt.core.atomic import atomic_dir
 from llmopt.core.gguf_file import read_gguf
 from llmopt.core.tokenizer import Tokenizer
-from llmopt.core.weights import load_safetensors, safetensors_files, save_safetensors
+from llmopt.core.weights import INDEX_FILE, save_safetensors
 from llmopt.errors import LlmoptError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -52,15 +53,67 @@ def convert_gguf(gguf_path: Path, out: Path, dtype: str = "float32", overwrite: 
     return write_hf_folder(out, config, tensors, model.tokenizer, provenance, overwrite=overwrite)
 
 
-def convert_source(source, out: Path, dtype: str = "float32", overwrite: bool = False) -> Path:
-    """Write any unquantized source (default, GGUF, folder, hub) as a Hugging Face folder."""
+def convert_source(source, out: Path, dtype: str = "float32", overwrite: bool = False,
+                   load_format: str = "auto") -> Path:
+    """Write any unquantized source (default, GGUF, folder, hub) as a Hugging Face folder; with
+    `load_format` "dummy", random weights of its shape (a shipped architecture works as the source)."""
+    if load_format == "dummy":
+        return write_dummy_folder(source, out, dtype=dtype, overwrite=overwrite)
     if source.kind == "gguf":
         return convert_gguf(source.path, out, dtype=dtype, overwrite=overwrite)
     if source.quantization is not None and source.quantization.method in ("awq", "gptq"):
         raise LlmoptError(f"{source.spec} is already {source.quantization.method.upper()}-quantized; converting it is not supported")
     torch_dtype = DTYPES[dtype]
-    tensors = {k: v.to(torch_dtype) for k, v in load_safetensors(safetensors_files(source.path)).items()}
+    from llmopt.core.source import open_weights
+
+    reader = open_weights(source)
+    tensors = {name: reader.get(name).to(torch_dtype) for name in reader}
     config = {**source.raw_config, "torch_dtype": dtype}
     tokenizer = Tokenizer.from_dir(source.path)
     provenance = {"converted_from": source.origin or str(source.path)}
     return write_hf_folder(out, config, tensors, tokenizer, provenance, overwrite=overwrite)
+
+
+# shards of at most this many bytes, so that writing a checkpoint holds one shard in memory
+DUMMY_SHARD_BYTES = 2 * 1024**3
+
+
+def write_dummy_folder(source, out: Path, dtype: str = "bfloat16", overwrite: bool = False) -> Path:
+    """A Hugging Face folder of random weights of `source`'s shape (`core.dummy.DummyWeights`),
+    with `source`'s tokenizer, sharded with an index as transformers writes one."""
+    from llmopt.core.dummy import DummyWeights
+    from llmopt.core.source import load_tokenizer
+
+    torch_dtype = DTYPES[dtype]
+    raw = {k: v for k, v in source.raw_config.items() if k != "quantization_config"}
+    config = {**raw, "torch_dtype": dtype}
+    weights = DummyWeights(source.config)
+    with atomic_dir(Path(out), overwrite=overwrite) as tmp:
+        (tmp / "config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
+        generation = {"bos_token_id": config.get("bos_token_id"), "eos_token_id": config.get("eos_token_id")}
+        (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2), encoding="utf-8")
+        load_tokenizer(source).save(tmp)
+        shards: list[list[str]] = [[]]
+        size = 0
+        for name, shape in weights.shapes.items():
+            nbytes = torch_dtype.itemsize * math.prod(shape)
+            if shards[-1] and size + nbytes > DUMMY_SHARD_BYTES:
+                shards.append([])
+                size = 0
+            shards[-1].append(name)
+            size += nbytes
+        weight_map, total = {}, 0
+        for i, names in enumerate(shards, 1):
+            file = "model.safetensors" if len(shards) == 1 else f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+            tensors = {name: weights.get(name).to(torch_dtype) for name in names}
+            total += sum(t.numel() * t.element_size() for t in tensors.values())
+            save_safetensors(tensors, tmp / file)
+            del tensors
+            weight_map.update(dict.fromkeys(names, file))
+        if len(shards) > 1:
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2), encoding="utf-8")
+        (tmp / "llmopt_source.json").write_text(json.dumps(
+            {"converted_from": source.spec, "load_format": "dummy", "llmopt_version": __version__}, indent=2),
+            encoding="utf-8")
+    return Path(out)

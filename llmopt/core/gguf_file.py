@@ -8,6 +8,7 @@ Hugging Face layout our decoder (and transformers) use.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -52,7 +53,7 @@ SUPPORTED_GGUF_PRE_TOKENIZERS = sorted(_DIGIT_SPLIT_PRES | _LLAMA3_PRES | _GPT2_
 @dataclass
 class GGUFModel:
     config: dict[str, Any]  # Hugging Face config.json content
-    tensors: dict[str, torch.Tensor]  # Hugging Face names, float32, HF layout
+    tensors: "GGUFTensors"  # Hugging Face names, float32, HF layout
     tokenizer: Tokenizer
     file_type: str  # e.g. "Q4_1": what most weights were quantized to
 
@@ -101,30 +102,77 @@ def read_gguf_config(path: Path, reader=None) -> tuple[dict[str, Any], str]:
 
 
 def read_gguf(path: Path) -> GGUFModel:
-    """Metadata, dequantized float32 tensors under HF names, and the tokenizer of a GGUF file."""
-    from gguf import quants
-
+    """Metadata, tensors under HF names (`GGUFTensors`: dequantized one at a time, on access) and
+    the tokenizer of a GGUF file."""
     path = Path(path)
     reader = read_gguf_metadata(path)
     config, file_type = read_gguf_config(path, reader)
-    tensors: dict[str, torch.Tensor] = {}
-    for t in reader.tensors:
-        hf_name = _hf_tensor_name(t.name)
-        if hf_name is None:
-            continue
+    return GGUFModel(config=config, tensors=GGUFTensors(reader, config, path), tokenizer=_tokenizer(reader, path),
+                     file_type=file_type)
+
+
+class GGUFTensors(Mapping):
+    """A GGUF file's tensors under Hugging Face names and in their layout, each dequantized to
+    float32 when asked for (the file stays memory-mapped, so a model is never held twice).
+    Q4_0 projections can also be read as the int4 grid they are (`quantized`): 4-bit codes,
+    one fp16 scale per 32 weights and a zero point of 8, what the int4 kernels take."""
+
+    def __init__(self, reader, config: dict[str, Any], path: Path):
+        self.config, self.path = config, path
+        self._tensors = {}
+        for t in reader.tensors:
+            hf_name = _hf_tensor_name(t.name)
+            if hf_name is not None:
+                self._tensors[hf_name] = t
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        from gguf import quants
+
+        t = self._tensors[name]
         try:
             array = quants.dequantize(t.data, t.tensor_type)
         except Exception as exc:
-            raise LlmoptError(f"{path}: cannot dequantize {t.name} ({t.tensor_type.name}): {exc}") from None
+            raise LlmoptError(f"{self.path}: cannot dequantize {t.name} ({t.tensor_type.name}): {exc}") from None
         array = np.ascontiguousarray(array, dtype=np.float32).reshape([int(d) for d in reversed(t.shape)])
         if not array.flags.writeable:  # F32 tensors come back as views of the read-only file map
             array = array.copy()
-        tensor = torch.from_numpy(array)
-        if config["model_type"] == "llama" and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
-            heads = config["num_attention_heads"] if "q_proj" in hf_name else config["num_key_value_heads"]
+        return self._hf_rows(name, torch.from_numpy(array))
+
+    def __iter__(self):
+        return iter(self._tensors)
+
+    def __len__(self) -> int:
+        return len(self._tensors)
+
+    def quantized(self, name: str):
+        """Tensor `name` as a `QuantizedWeight` when it is stored as Q4_0, else None."""
+        from gguf import GGMLQuantizationType
+
+        from llmopt.core.quantized_weight import QuantizedWeight, QuantScheme
+
+        t = self._tensors.get(name)
+        if t is None or t.tensor_type != GGMLQuantizationType.Q4_0 or len(t.shape) != 2:
+            return None
+        out_features, in_features = int(t.shape[1]), int(t.shape[0])
+        # a Q4_0 block: fp16 scale d, then 16 bytes of nibbles; weights 0-15 in the low nibbles,
+        # 16-31 in the high ones; w = (q - 8) * d
+        blocks = np.asarray(t.data, dtype=np.uint8).reshape(out_features, in_features // 32, 18)
+        scales = torch.from_numpy(blocks[..., :2].copy().view(np.float16).astype(np.float32)[..., 0])
+        nibbles = torch.from_numpy(blocks[..., 2:].copy())
+        codes = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=-1).reshape(out_features, in_features)
+        groups = in_features // 32
+        q = QuantizedWeight(codes=codes, scales=scales, zeros=torch.full((out_features, groups), 8, dtype=torch.int16),
+                            g_idx=(torch.arange(in_features) // 32).to(torch.int32),
+                            scheme=QuantScheme(bits=4, group_size=32, sym=True))
+        codes, scales, zeros = (self._hf_rows(name, x) for x in (q.codes, q.scales, q.zeros))
+        return QuantizedWeight(codes=codes, scales=scales, zeros=zeros, g_idx=q.g_idx, scheme=q.scheme)
+
+    def _hf_rows(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """Undo llama.cpp's interleaving of Llama q/k rows (any row-wise tensor of them)."""
+        if self.config["model_type"] == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = self.config["num_attention_heads"] if "q_proj" in name else self.config["num_key_value_heads"]
             tensor = _unpermute_qk(tensor, heads)
-        tensors[hf_name] = tensor
-    return GGUFModel(config=config, tensors=tensors, tokenizer=_tokenizer(reader, path), file_type=file_type)
+        return tensor
 
 
 def read_gguf_tokenizer(path: Path) -> Tokenizer:
@@ -167,23 +215,30 @@ def _hf_config(reader, arch: str, tensor_names: set[str], path: Path) -> dict[st
             raise LlmoptError(f"{path}: GGUF metadata is missing {arch}.{name}")
         return value
 
-    heads = int(key("attention.head_count", required=True))
-    hidden = int(key("embedding_length", required=True))
+    # values go into the config as stored: ModelConfig.from_hf checks each (type, positive, heads divide)
+    heads = key("attention.head_count", required=True)
+    hidden = key("embedding_length", required=True)
+    blocks = key("block_count", required=True)
+    _check_block_count(blocks, tensor_names, path)
     tokens = _field(reader, "tokenizer.ggml.tokens") or []
+    eps = key("attention.layer_norm_rms_epsilon", 1e-5)
+    head_dim = key("rope.dimension_count")
+    if head_dim is None and isinstance(hidden, int) and isinstance(heads, int) and heads > 0:
+        head_dim = hidden // heads
     config: dict[str, Any] = {
         "architectures": [SUPPORTED_GGUF_ARCHITECTURES[arch]],
         "model_type": arch,
         "hidden_size": hidden,
-        "intermediate_size": int(key("feed_forward_length", required=True)),
-        "num_hidden_layers": int(key("block_count", required=True)),
+        "intermediate_size": key("feed_forward_length", required=True),
+        "num_hidden_layers": blocks,
         "num_attention_heads": heads,
-        "num_key_value_heads": int(key("attention.head_count_kv", heads)),
-        "head_dim": int(key("rope.dimension_count", hidden // heads)),
+        "num_key_value_heads": key("attention.head_count_kv", heads),
+        "head_dim": head_dim,
         # stored as float32 in GGUF: print it back the way the original config wrote it
-        "rms_norm_eps": float(f'{key("attention.layer_norm_rms_epsilon", 1e-5):.7g}'),
-        "rope_theta": float(key("rope.freq_base", 10000.0)),
-        "max_position_embeddings": int(key("context_length", 2048)),
-        "vocab_size": int(key("vocab_size", len(tokens))),
+        "rms_norm_eps": float(f"{eps:.7g}") if isinstance(eps, float) else eps,
+        "rope_theta": key("rope.freq_base", 10000.0),
+        "max_position_embeddings": key("context_length", 2048),
+        "vocab_size": key("vocab_size", len(tokens)),
         "tie_word_embeddings": "output.weight" not in tensor_names,
         "hidden_act": "silu",
         "attention_bias": any(n.endswith("attn_q.bias") for n in tensor_names) and arch == "llama",
@@ -199,6 +254,17 @@ def _hf_config(reader, arch: str, tensor_names: set[str], path: Path) -> dict[st
         if value is not None:
             config[f"{name}_token_id"] = int(value)
     return config
+
+
+def _check_block_count(blocks: Any, tensor_names: set[str], path: Path) -> None:
+    """block_count must be the blocks the file holds tensors for: the decoder is built from it, so a
+    wrong count (2**31) would build that many layers before any tensor is looked at."""
+    held = {int(m.group(1)) for name in tensor_names if (m := re.match(r"blk\.(\d+)\.", name))}
+    # held is blocks 0..N-1 exactly when it has N members, the largest N-1 (no range(N) is built)
+    if (not isinstance(blocks, int) or isinstance(blocks, bool) or len(held) != blocks
+            or max(held, default=-1) != blocks - 1):
+        raise LlmoptError(f"{path}: GGUF metadata says block_count={blocks!r}, but the file holds tensors for "
+                          f"{len(held)} block(s){' (numbered 0..' + str(max(held)) + ')' if held else ''}")
 
 
 def _tokenizer(reader, path: Path) -> Tokenizer:

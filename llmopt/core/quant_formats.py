@@ -85,21 +85,3 @@ def unpack_tensors(fmt: str, tensors: dict[str, torch.Tensor], prefix: str, bits
                            zeros=zeros.to(torch.int16), g_idx=g_idx.to(torch.int32),
                            scheme=QuantScheme(bits=bits, group_size=group_size))
 
-
-def dequantize_checkpoint(tensors: dict[str, torch.Tensor], fmt: str, bits: int, group_size: int,
-                          gptq_v2: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, QuantizedWeight]]:
-    """Replace every packed projection by a dense `<prefix>.weight` (float32), the reference path.
-
-    Returns the dense tensors and the unpacked weights by prefix (for int4 kernels).
-    """
-    prefixes = sorted(name[: -len(".qweight")] for name in tensors if name.endswith(".qweight"))
-    if not prefixes:
-        raise LlmoptError(f"the config says {fmt.upper()} but the checkpoint has no packed (.qweight) tensors")
-    dense = {k: v for k, v in tensors.items() if not k.rsplit(".", 1)[-1] in ("qweight", "qzeros", "scales", "g_idx")}
-    unpacked = {}
-    with one_thread():
-        for prefix in prefixes:
-            q = unpack_tensors(fmt, tensors, prefix, bits, group_size, gptq_v2)
-            unpacked[prefix] = q
-            dense[f"{prefix}.weight"] = q.dequantize()
-    return dense, unpacked

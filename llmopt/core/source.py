@@ -9,11 +9,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from llmopt.core.architectures import SHIPPED
 from llmopt.core.config import ModelConfig, read_json
 from llmopt.core.tokenizer import Tokenizer
 from llmopt.errors import LlmoptError
 
 SUPPORTED_QUANT_METHODS = ("awq", "gptq")
+# "auto": the checkpoint's own weights; "dummy": random weights of its shape (vLLM's names)
+LOAD_FORMATS = ("auto", "dummy")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
@@ -28,7 +31,7 @@ class QuantizationInfo:
 @dataclass
 class ModelSource:
     spec: str  # what the user typed
-    kind: str  # "default" | "folder" | "hub" | "gguf"
+    kind: str  # "default" | "folder" | "hub" | "gguf" | "architecture" (a shipped config, no weights)
     path: Path  # a Hugging Face folder, or the .gguf file
     config: ModelConfig
     raw_config: dict[str, Any]  # the config.json content (or its GGUF equivalent)
@@ -58,10 +61,13 @@ def resolve(spec: str) -> ModelSource:
         raise LlmoptError(f"{spec} is a file but not a .gguf file; pass a model folder, a .gguf file or a hub id")
     if spec.endswith(".gguf") or spec.startswith((".", "/", "~")) or spec.count("/") > 1:
         raise LlmoptError(f"{spec} does not exist")
+    if spec.lower() in SHIPPED:
+        return _architecture_source(spec)
     if _HUB_ID.match(spec):
         return _folder_source(spec, _download(spec), kind="hub")
     raise LlmoptError(
-        f"unknown model spec {spec!r}: expected 'default', an existing folder, a .gguf file, or a hub id like org/name"
+        f"unknown model spec {spec!r}: expected 'default', an existing folder, a .gguf file, a hub id like org/name, "
+        f"or a shipped architecture ({', '.join(SHIPPED)}) with --load-format dummy"
     )
 
 
@@ -78,6 +84,34 @@ def resolve_gguf(spec: str) -> ModelSource | None:
         return None
     source = resolve(spec)
     return source if source.kind == "gguf" else None
+
+
+def open_weights(source: ModelSource):
+    """The checkpoint tensors of a Hugging Face folder source, read one at a time."""
+    from llmopt.core.weights import CheckpointReader
+
+    if source.kind == "architecture":
+        raise LlmoptError(f"{source.spec} is a shipped architecture (a config without weights): pass "
+                          "--load-format dummy for random weights of its shape, or a checkpoint")
+    if source.kind == "gguf":
+        raise LlmoptError(f"{source.spec} is a GGUF file, not a safetensors checkpoint")
+    return CheckpointReader.from_folder(source.path)
+
+
+def _architecture_source(spec: str) -> ModelSource:
+    """A shipped architecture (`core.architectures`) with the default model's tokenizer and its
+    vocabulary, so that random weights of the architecture's shape run end to end."""
+    from llmopt.core.dummy import dummy_raw_config
+    from llmopt.core.embedded import default_model_dir
+
+    folder = default_model_dir()
+    tokenizer_config = read_json(folder / "config.json")
+    raw = dummy_raw_config(SHIPPED[spec.lower()], vocab_size=int(tokenizer_config["vocab_size"]),
+                           bos_token_id=tokenizer_config.get("bos_token_id"),
+                           eos_token_id=tokenizer_config.get("eos_token_id"))
+    config = ModelConfig.from_hf(raw, where=f"shipped architecture {spec}")
+    return ModelSource(spec=spec, kind="architecture", path=folder, config=config, raw_config=raw,
+                       origin=f"shipped architecture {spec.lower()} (weights: --load-format dummy)")
 
 
 def _folder_source(spec: str, folder: Path, kind: str) -> ModelSource:
@@ -104,6 +138,11 @@ def _quantization_of(raw: dict[str, Any], where: Path) -> QuantizationInfo | Non
         )
     bits = qc.get("bits", qc.get("w_bit"))
     group = qc.get("group_size", qc.get("q_group_size"))
+    for key, value, lowest in (("bits", bits, 1), ("group_size", group, -1)):
+        bad = isinstance(value, bool) or not isinstance(value, int) or value == 0 or value < lowest
+        if value is not None and bad:
+            raise LlmoptError(f"{where}: quantization_config {key} must be a positive integer"
+                              f"{' (or -1: per channel)' * (lowest < 0)}, got {value!r}")
     return QuantizationInfo(method=method, bits=bits, group_size=group, details=dict(qc))
 
 

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import math
+import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -47,7 +50,150 @@ def load_safetensors(files: list[Path]) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def check_safetensors(files: list[Path]) -> int:
+    """Each file's header read and checked without reading tensor data: safetensors' own `safe_open`
+    refuses a header that does not parse, offsets that overlap or leave gaps, a tensor whose byte
+    range does not fit its shape and dtype, and data that does not end where the file does.
+    LlmoptError naming the first bad file; returns the number of tensors."""
+    from safetensors import SafetensorError, safe_open
+
+    count = 0
+    for path in files:
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                count += len(f.keys())
+        except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+            raise LlmoptError(f"{path} is not a readable safetensors file (corrupt or truncated?): {exc}") from None
+    return count
+
+
 def save_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
     from safetensors.torch import save_file
 
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(path), metadata={"format": "pt"})
+
+
+# safetensors' dtype names (the header's "dtype") -> torch dtypes
+SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64,
+}
+# a header larger than this is not a checkpoint (safetensors itself refuses > 100 MB)
+MAX_HEADER_BYTES = 100 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """Where one tensor's bytes lie in its file."""
+    path: Path
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    begin: int  # absolute file offsets
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+
+def read_safetensors_header(path: Path) -> tuple[dict[str, TensorEntry], dict[str, str]]:
+    """The tensor table and metadata of one safetensors file, checked against its size (every
+    offset inside the data section, each tensor's byte count matching its dtype and shape)."""
+    def bad(why: str) -> LlmoptError:
+        return LlmoptError(f"{path} is not a readable safetensors file (corrupt or truncated?): {why}")
+
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            prefix = f.read(8)
+            if len(prefix) < 8:
+                raise bad(f"{size} bytes, shorter than the 8-byte header length")
+            header_len = int.from_bytes(prefix, "little")
+            if header_len > MAX_HEADER_BYTES or 8 + header_len > size:
+                raise bad(f"header length {header_len} does not fit the file's {size} bytes")
+            raw = f.read(header_len)
+    except OSError as exc:
+        raise LlmoptError(f"cannot read {path}: {exc.strerror or exc}") from None
+    try:
+        header = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise bad(f"header is not JSON ({exc})") from None
+    if not isinstance(header, dict):
+        raise bad("header is not a JSON object")
+    metadata = header.pop("__metadata__", None) or {}
+    data_start = 8 + header_len
+    entries: dict[str, TensorEntry] = {}
+    for name, info in header.items():
+        try:
+            dtype = SAFETENSORS_DTYPES[info["dtype"]]
+            shape = tuple(int(d) for d in info["shape"])
+            begin, end = (int(o) for o in info["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise bad(f"tensor {name!r} has an invalid entry {str(info)[:200]}") from None
+        if any(d < 0 for d in shape) or not 0 <= begin <= end or data_start + end > size:
+            raise bad(f"tensor {name!r}: offsets {begin}..{end} lie outside the data section ({size - data_start} bytes)")
+        if math.prod(shape) * dtype.itemsize != end - begin:
+            raise bad(f"tensor {name!r}: {end - begin} bytes for shape {list(shape)} of {info['dtype']}")
+        entries[name] = TensorEntry(path, dtype, shape, data_start + begin, data_start + end)
+    return entries, metadata
+
+
+class CheckpointReader:
+    """Tensors of a (possibly sharded) safetensors checkpoint, read one at a time with `pread`
+    into memory the tensor owns. Not mmap: mapped pages of a large file stay counted in the
+    resident set while any view is alive, and a layer-at-a-time reader must keep its peak
+    at one layer."""
+
+    def __init__(self, files: list[Path]):
+        self.files = list(files)
+        self.entries: dict[str, TensorEntry] = {}
+        for path in self.files:
+            entries, _ = read_safetensors_header(path)
+            self.entries.update(entries)
+
+    @classmethod
+    def from_folder(cls, folder: Path) -> "CheckpointReader":
+        return cls(safetensors_files(folder))
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.entries
+
+    def __iter__(self):
+        return iter(self.entries)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.get(name)
+
+    def names(self) -> list[str]:
+        return list(self.entries)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.entries[name].shape
+
+    def get(self, name: str) -> torch.Tensor:
+        entry = self.entries[name]
+        return self._read(entry, entry.begin, entry.nbytes, entry.shape)
+
+    def get_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows start:stop of a tensor (its first dimension), reading only their bytes."""
+        entry = self.entries[name]
+        row_bytes = math.prod(entry.shape[1:]) * entry.dtype.itemsize
+        start, stop = max(0, start), min(entry.shape[0], stop)
+        count = max(0, stop - start)
+        return self._read(entry, entry.begin + start * row_bytes, count * row_bytes, (count, *entry.shape[1:]))
+
+    def _read(self, entry: TensorEntry, offset: int, nbytes: int, shape: tuple[int, ...]) -> torch.Tensor:
+        buffer = bytearray(nbytes)
+        view = memoryview(buffer)
+        with open(entry.path, "rb", buffering=0) as f:
+            done = 0
+            while done < nbytes:
+                n = os.preadv(f.fileno(), [view[done:]], offset + done)
+                if n <= 0:
+                    raise LlmoptError(f"{entry.path} is truncated (reading at byte {offset + done})")
+                done += n
+        if nbytes == 0:
+            return torch.empty(shape, dtype=entry.dtype)
+        return torch.frombuffer(buffer, dtype=entry.dtype).reshape(shape)

@@ -139,8 +139,10 @@ class EvalArgs:
         from llmopt.eval.tasks import RunOptions
 
         settings = resolve_settings(self.setting_flags(), recipe_layer, has_baseline=self.baseline is not None)
-        options = RunOptions(dtype=self.engine.dtype, device=self.engine.device,
-                             engine=asdict(self.engine.engine_config()), use_cache=self.use_cache,
+        # results of random weights are not the model's: never cached under its spec
+        options = RunOptions(dtype=self.engine.dtype, device=self.engine.device, load_format=self.engine.load_format,
+                             engine=asdict(self.engine.engine_config()),
+                             use_cache=self.use_cache and self.engine.load_format == "auto",
                              add_bos=self.add_bos)
         endpoint = None
         if self.base_url is not None:

@@ -90,5 +90,6 @@ def read_arrays(key: str, names: tuple[str, ...]) -> tuple[dict[str, Any], dict[
 @contextmanager
 def new_entry(key: str) -> Iterator[Path]:
     """A folder to fill with .npy arrays and meta.json; it becomes the entry only if the block succeeds."""
-    with atomic_dir(array_dir(key), overwrite=True) as tmp:
+    # markers=None: every folder under the cache is llmopt's own (a broken entry is replaced too)
+    with atomic_dir(array_dir(key), overwrite=True, markers=None) as tmp:
         yield tmp

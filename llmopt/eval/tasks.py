@@ -73,6 +73,7 @@ class ModelRun:
 class RunOptions:
     dtype: str = "auto"
     device: str = "cpu"
+    load_format: str = "auto"
     engine: dict[str, Any] = field(default_factory=dict)  # EngineConfig fields for HumanEval generation
     use_cache: bool = True
     add_bos: bool | None = None  # BOS before every MMLU context; None: where the tokenizer adds one (`text.context_bos_id`)
@@ -89,7 +90,8 @@ class _LazyModel:
             from llmopt.loader import load
 
             start = time.perf_counter()
-            self.loaded = load(self.source, dtype=self.options.dtype, device=self.options.device)
+            self.loaded = load(self.source, dtype=self.options.dtype, device=self.options.device,
+                               load_format=self.options.load_format)
             self.run.seconds["load"] = round(time.perf_counter() - start, 2)
             log.info("%s %s loaded in %.1f s", self.run.role, self.source.spec, self.run.seconds["load"])
         return self.loaded

@@ -1,106 +1,203 @@
-"""Our decoder from checkpoint tensors: `build_model` checks and assigns them; `use_int4_kernels`
-swaps AWQ / GPTQ projections for the kernel backend's int4 layers."""
+"""Our decoder from checkpoint tensors, read one tensor at a time: `build_model` checks each
+tensor's presence and shape, puts dense ones in the compute dtype, and gives each AWQ / GPTQ
+projection to the kernel backend's int4 layer straight from its packed tensors (dense only
+where the backend has no int4 layer for it), so a 4-bit checkpoint never exists in memory as
+dense weights."""
 
 from __future__ import annotations
+
+from typing import Callable, Iterable, Protocol
 
 import torch
 
 from llmopt.core.config import ModelConfig
-from llmopt.core.quant_formats import dequantize_checkpoint
+from llmopt.core.quant_formats import unpack_tensors
 from llmopt.core.quantized_weight import QuantizedWeight
 from llmopt.core.source import QuantizationInfo
+from llmopt.core.threads import one_thread
 from llmopt.errors import LlmoptError
 from llmopt.model.backends import KernelBackend, ReferenceBackend
 from llmopt.model.linear import DenseLinear, LinearBase
 from llmopt.model.llama import LlamaForCausalLM, checkpoint_names
 from llmopt.model.rope import rope_inv_freq
 
+_PACKED_SUFFIXES = ("qweight", "qzeros", "scales", "g_idx")
+
+
+class Weights(Protocol):
+    """Checkpoint tensors by Hugging Face name: a dict, a `CheckpointReader`, `DummyWeights`."""
+
+    def __contains__(self, name: str) -> bool: ...
+    def __getitem__(self, name: str) -> torch.Tensor: ...
+    def __iter__(self) -> Iterable[str]: ...
+
 
 def build_model(
-    config: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device,
+    config: ModelConfig, weights: Weights, dtype: torch.dtype, device: torch.device,
     where: str = "checkpoint", backend: KernelBackend | None = None,
+    quant: QuantizationInfo | None = None, int4_kernels: bool = True,
 ) -> LlamaForCausalLM:
-    """Our decoder holding `tensors` (HF names), checked for missing and mis-shaped tensors,
-    its ops and layers set up for kernel backend `backend` (default: the reference)."""
+    """Our decoder holding `weights` (HF names), its ops and layers set up for kernel backend
+    `backend` (default: the reference). With `quant` (AWQ / GPTQ), packed projections become the
+    backend's int4 layers (`KernelBackend.int4_linear`: llmopt's C++ kernel for fp32 CPU models,
+    PyTorch's CPU int4 kernel for bf16/fp16 ones, the Triton kernel on CUDA), one projection
+    unpacked at a time; a projection the backend cannot take, every projection when
+    `int4_kernels` is False (code that rewrites weights), and everything on the reference
+    backend get dense dequantized weights."""
     backend = backend or ReferenceBackend()
+    # the decoder is built from the config before any tensor is matched: a layer count the checkpoint
+    # cannot fill (num_hidden_layers 2**31) is refused here, not after building that many layers
+    held = {name.split(".")[2] for name in weights if name.startswith("model.layers.")}
+    if config.num_hidden_layers > len(held):
+        raise LlmoptError(f"{where}: the config says num_hidden_layers={config.num_hidden_layers}, but the "
+                          f"checkpoint holds tensors for {len(held)} layer(s)")
+    grid_of = _grid_reader(weights, quant, int4_kernels, where)
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
     expected = {name: p.shape for name, p in model.named_parameters()}
     if config.tie_word_embeddings:
         expected.pop("lm_head.weight", None)
-    sources = {name: checkpoint_names(name) for name in expected}
-    missing = [part for parts in sources.values() for part in parts if part not in tensors]
-    if missing:
-        shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
-        raise LlmoptError(f"{where} is missing tensor(s) {shown}")
-    state = {}
-    for name, parts in sources.items():
-        tensor = tensors[parts[0]] if len(parts) == 1 else _stack(tensors, parts, where)
-        if tensor.shape != expected[name]:
-            raise LlmoptError(
-                f"{where}: tensor {', '.join(parts)} has shape {tuple(tensor.shape)}, config implies {tuple(expected[name])}"
-            )
-        # a private copy even when no conversion is needed: safetensors tensors are views of
-        # the memory-mapped file, and one live view keeps every page of the file read so far
-        # (here: the q/k/v and gate/up parts read for stacking) in our resident memory
-        state[name] = tensor.to(device=device, dtype=dtype, copy=len(parts) == 1)
+    _check_present(expected, weights, isinstance(grid_of, _PackedReader), where)
+
+    state: dict[str, torch.Tensor] = {}
+    swapped = 0
+    for module_name, module in list(model.named_modules()):
+        if not isinstance(module, LinearBase) or f"{module_name}.weight" not in expected:
+            continue
+        parts = [p.removesuffix(".weight") for p in checkpoint_names(f"{module_name}.weight")]
+        grids = [grid_of(p) for p in parts] if grid_of is not None else []
+        if not grids or any(g is None for g in grids):
+            continue
+        q = _joined(grids, parts, where)
+        bias = None
+        if f"{module_name}.bias" in expected:
+            bias = _read(weights, f"{module_name}.bias", expected, dtype, device, where)
+        layer = None
+        if int4_kernels and isinstance(q, QuantizedWeight):
+            layer = backend.int4_linear(q, None if bias is None else bias.cpu(), dtype)
+        if layer is not None:
+            parent, _, child = module_name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, child, layer.to(device))
+            expected.pop(f"{module_name}.weight")
+            expected.pop(f"{module_name}.bias", None)
+            swapped += 1
+        else:
+            dense = q if isinstance(q, torch.Tensor) else q.dequantize()
+            state[f"{module_name}.weight"] = _checked(dense, f"{module_name}.weight", parts, expected, where)\
+                .to(device=device, dtype=dtype)
+            if bias is not None:
+                state[f"{module_name}.bias"] = bias
+        del q
+    for name in expected:
+        if name not in state:
+            state[name] = _read(weights, name, expected, dtype, device, where)
     model.load_state_dict(state, strict=False, assign=True)
+    del state
     if config.tie_word_embeddings:
         model.tie_weights()
     # non-persistent buffers were created on the meta device; compute them for real
     model.model.rotary_emb.inv_freq = rope_inv_freq(config).to(device)
+    unset = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
+    if unset:
+        raise LlmoptError(f"{where}: no weights for {', '.join(unset[:3])}")
     model.use_backend(backend, dtype)
     for module in model.modules():
-        if isinstance(module, LinearBase):
+        if isinstance(module, DenseLinear):
             module.prepare(backend)
-    return model.eval()
-
-
-def _stack(tensors: dict[str, torch.Tensor], parts: list[str], where: str) -> torch.Tensor:
-    try:
-        return torch.cat([tensors[p] for p in parts], dim=0)
-    except RuntimeError:
-        shapes = ", ".join(f"{p} {tuple(tensors[p].shape)}" for p in parts)
-        raise LlmoptError(f"{where}: tensors do not fit together: {shapes}") from None
-
-
-def dequantized(tensors: dict[str, torch.Tensor], quant: QuantizationInfo, where: str):
-    """AWQ / GPTQ int4 projections unpacked: dense weights (the reference path) and codes + grids by prefix."""
-    if quant.group_size is None or quant.bits is None:
-        raise LlmoptError(f"{where}: quantization_config needs 'bits' and 'group_size'")
-    v2 = quant.details.get("checkpoint_format") == "gptq_v2"
-    return dequantize_checkpoint(tensors, quant.method, int(quant.bits), int(quant.group_size), gptq_v2=v2)
-
-
-def use_int4_kernels(model: LlamaForCausalLM, unpacked: dict, dtype: torch.dtype) -> None:
-    """Swap each int4 projection's dense weight for the int4 layer of the model's kernel backend
-    (`KernelBackend.int4_linear`: llmopt's C++ kernel for fp32 CPU models, PyTorch's CPU int4
-    kernel for bf16/fp16 ones, the Triton kernel on CUDA, none on the reference backend).
-
-    Fused projections (q/k/v, gate/up) join their parts along the output dimension; a
-    layer the kernel cannot take (odd group layout) keeps its dense weight. With any layer
-    swapped, the vocabulary projection moves to the compact copy the backend asks for.
-    """
-    backend = model.backend
-    device = model.lm_head.weight.device
-    swapped = 0
-    for name, module in list(model.named_modules()):
-        if not isinstance(module, LinearBase):
-            continue
-        parts = [p[: -len(".weight")] for p in checkpoint_names(f"{name}.weight")]
-        if not all(p in unpacked for p in parts):
-            continue
-        qs = [unpacked[p] for p in parts]
-        if any(not torch.equal(q.g_idx, qs[0].g_idx) for q in qs):
-            continue
-        joined = QuantizedWeight(codes=torch.cat([q.codes for q in qs]), scales=torch.cat([q.scales for q in qs]),
-                                 zeros=torch.cat([q.zeros for q in qs]), g_idx=qs[0].g_idx, scheme=qs[0].scheme)
-        bias = getattr(module, "bias", None)
-        layer = backend.int4_linear(joined, None if bias is None else bias.cpu(), dtype)
-        if layer is not None:
-            parent, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent) if parent else model, child, layer.to(device))
-            swapped += 1
     compact = backend.compact_vocab_projection(dtype)
     if swapped and compact is not None and isinstance(model.lm_head, DenseLinear):
         model.lm_head.use_compact_copy(compact)
+    return model.eval()
+
+
+def _read(weights: Weights, name: str, expected: dict, dtype: torch.dtype, device: torch.device,
+          where: str) -> torch.Tensor:
+    """One parameter of our model from its checkpoint tensor(s), checked and converted; a private
+    copy even when no conversion is needed (a view of a memory-mapped file keeps every page of
+    the file read so far resident)."""
+    parts = checkpoint_names(name)
+    if len(parts) == 1:
+        tensor = weights[parts[0]]
+    else:
+        tensor = _stack([weights[p] for p in parts], parts, where)
+    tensor = _checked(tensor, name, parts, expected, where)
+    return tensor.to(device=device, dtype=dtype, copy=len(parts) == 1)
+
+
+def _checked(tensor: torch.Tensor, name: str, parts: list[str], expected: dict, where: str) -> torch.Tensor:
+    if tensor.shape != expected[name]:
+        raise LlmoptError(
+            f"{where}: tensor {', '.join(parts)} has shape {tuple(tensor.shape)}, config implies {tuple(expected[name])}"
+        )
+    return tensor
+
+
+def _stack(tensors: list[torch.Tensor], parts: list[str], where: str) -> torch.Tensor:
+    try:
+        return torch.cat(tensors, dim=0)
+    except RuntimeError:
+        shapes = ", ".join(f"{p} {tuple(t.shape)}" for p, t in zip(parts, tensors))
+        raise LlmoptError(f"{where}: tensors do not fit together: {shapes}") from None
+
+
+def _check_present(expected: dict, weights: Weights, quantized: bool, where: str) -> None:
+    def present(part: str) -> bool:
+        return part in weights or (quantized and part.endswith(".weight")
+                                   and f"{part.removesuffix('.weight')}.qweight" in weights)
+
+    missing = [part for name in expected for part in checkpoint_names(name) if not present(part)]
+    if missing:
+        shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+        raise LlmoptError(f"{where} is missing tensor(s) {shown}")
+
+
+class _PackedReader:
+    """Unpacks one AWQ / GPTQ projection at a time from the checkpoint's packed tensors."""
+
+    def __init__(self, weights: Weights, quant: QuantizationInfo):
+        self.weights, self.quant = weights, quant
+        self.gptq_v2 = quant.details.get("checkpoint_format") == "gptq_v2"
+
+    def __call__(self, prefix: str) -> QuantizedWeight | None:
+        if f"{prefix}.qweight" not in self.weights:
+            return None
+        tensors = {f"{prefix}.{s}": self.weights[f"{prefix}.{s}"] for s in _PACKED_SUFFIXES
+                   if f"{prefix}.{s}" in self.weights}
+        with one_thread():
+            return unpack_tensors(self.quant.method, tensors, prefix, int(self.quant.bits),
+                                  int(self.quant.group_size), self.gptq_v2)
+
+
+def _grid_reader(weights: Weights, quant: QuantizationInfo | None, int4_kernels: bool,
+                 where: str) -> Callable[[str], QuantizedWeight | None] | None:
+    """How to read a projection (by prefix) as an int4 grid: AWQ / GPTQ packed tensors, or a
+    GGUF file's Q4_0 tensors (`GGUFTensors.quantized`, only for the kernels: their dense values
+    come as cheaply from the file); None where the checkpoint holds no grids."""
+    if quant is not None and quant.method in ("awq", "gptq"):
+        if quant.group_size is None or quant.bits is None:
+            raise LlmoptError(f"{where}: quantization_config needs 'bits' and 'group_size'")
+        if not any(name.endswith(".qweight") for name in weights):
+            raise LlmoptError(f"{where}: the config says {quant.method.upper()} but the checkpoint has no packed "
+                              "(.qweight) tensors")
+        return _PackedReader(weights, quant)
+    quantized = getattr(weights, "quantized", None)
+    if int4_kernels and quantized is not None:
+        return lambda prefix: quantized(f"{prefix}.weight")
+    return None
+
+
+def _joined(qs: list[QuantizedWeight], parts: list[str], where: str) -> QuantizedWeight | torch.Tensor:
+    """The projection made of checkpoint projections `parts` (q/k/v, gate/up joined along the
+    output dimension), as one grid; as a dense weight where the parts' grids differ."""
+    if len(qs) == 1:
+        return qs[0]
+    if any(not torch.equal(q.g_idx, qs[0].g_idx) for q in qs):
+        # parts quantized with different act-order permutations cannot share one int4 layer
+        return torch.cat([q.dequantize() for q in qs])
+    try:
+        return QuantizedWeight(codes=torch.cat([q.codes for q in qs]), scales=torch.cat([q.scales for q in qs]),
+                               zeros=torch.cat([q.zeros for q in qs]), g_idx=qs[0].g_idx, scheme=qs[0].scheme)
+    except RuntimeError:
+        shapes = ", ".join(f"{p} {tuple(q.codes.shape)}" for p, q in zip(parts, qs))
+        raise LlmoptError(f"{where}: packed projections do not fit together: {shapes}") from None
+

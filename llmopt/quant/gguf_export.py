@@ -33,6 +33,7 @@ import torch
 from llmopt.core.atomic import atomic_file
 from llmopt.core.config import ModelConfig
 from llmopt.core.gguf_file import _HF_LAYER_TENSORS, _LLAMA3_REGEX, _QWEN2_REGEX, gguf_tensor_name
+from llmopt.core.output_paths import check_output
 from llmopt.errors import LlmoptError
 from llmopt.model.rope import rope_inv_freq
 
@@ -75,8 +76,7 @@ def write_gguf(
     out = Path(out)
     if gguf_type not in GGUF_TYPES:
         raise LlmoptError(f"unknown GGUF type {gguf_type!r}; choose one of: {', '.join(GGUF_TYPES)}")
-    if out.exists() and not overwrite:
-        raise LlmoptError(f"{out} already exists; pass --overwrite to replace it")
+    check_output(out, overwrite)
     cfg = ModelConfig.from_hf(config)
     metadata = {"general.name": out.stem, **(metadata or {})}
     with atomic_file(out) as tmp:

@@ -25,6 +25,7 @@ from llmopt.core import resolve
 from llmopt.loader import load
 from llmopt.core.atomic import atomic_file
 from llmopt.core.convert import write_hf_folder
+from llmopt.core.output_paths import check_output
 from llmopt.errors import LlmoptError
 from llmopt.options import option
 from llmopt.model.llama import STACKED_PROJECTIONS
@@ -137,8 +138,7 @@ def validate(req: QuantizeRequest) -> None:
         raise LlmoptError("--desc-act applies to --method gptq only")
     if not 0 < req.damp_percent < 1:
         raise LlmoptError(f"--damp-percent must be in (0, 1), got {req.damp_percent}")
-    if req.output.exists() and not req.overwrite:
-        raise LlmoptError(f"{req.output} already exists; pass --overwrite to replace it")
+    check_output(req.output, req.overwrite)  # new or llmopt's own, and writable: found out before the work
 
 
 def check_shapes(model, group_size: int, quantize_lm_head: bool) -> None:

@@ -23,6 +23,8 @@ from llmopt.errors import LlmoptError
 from llmopt.recipes.schema import EVAL_RUN_KEYS, EvalSection, Recipe
 
 BUILTIN_DEFAULTS = "default-gates.yaml"  # package data: the eval defaults, a partial recipe
+MAX_DEPTH = 32  # a recipe is sections of keys, some with a list: a handful of levels
+MAX_NODES = 100_000
 
 
 def read_yaml(path: Path) -> dict[str, Any]:
@@ -40,12 +42,35 @@ def read_yaml(path: Path) -> dict[str, Any]:
         where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
         raise LlmoptError(f"recipe {path} is not valid YAML{where}: {problem}") from None
+    except RecursionError:  # PyYAML composes nested nodes recursively
+        raise LlmoptError(f"recipe {path} nests deeper than {MAX_DEPTH} levels") from None
+    except ValueError as exc:  # an integer beyond Python's digit limit (int_max_str_digits)
+        raise LlmoptError(f"recipe {path} holds a value that cannot be read: {str(exc).split(';')[0]}") from None
+    check_shape(data, f"recipe {path}")
     if data is None:
         return {}
     if not isinstance(data, dict):
         raise LlmoptError(f"recipe {path}: expected a mapping of sections (model, quantize, eval, bench, serve), "
                           f"got {type(data).__name__}")
     return _normalise(data)
+
+
+def check_shape(data: Any, what: str) -> None:
+    """No recipe nests deeper than MAX_DEPTH or holds more than MAX_NODES values (aliases counted each
+    time they are used): the merge and validation below recurse and copy, so a crafted file (a
+    billion-laughs alias chain) would otherwise cost a traceback or all the memory."""
+    stack, nodes = [(data, 1)], 0
+    while stack:
+        value, depth = stack.pop()
+        nodes += 1
+        if depth > MAX_DEPTH:
+            raise LlmoptError(f"{what} nests deeper than {MAX_DEPTH} levels")
+        if nodes > MAX_NODES:
+            raise LlmoptError(f"{what} holds more than {MAX_NODES:,} values (YAML aliases count each time used)")
+        if isinstance(value, dict):
+            stack += [(v, depth + 1) for v in value.values()]
+        elif isinstance(value, list):
+            stack += [(v, depth + 1) for v in value]
 
 
 def _normalise(data: dict[str, Any]) -> dict[str, Any]:
@@ -96,6 +121,9 @@ def parse_override(text: str) -> tuple[list[str], Any]:
         value = yaml.safe_load(raw) if raw.strip() else None
     except yaml.YAMLError:
         value = raw  # not YAML (e.g. an unbalanced bracket in a text): take it as text
+    except (RecursionError, ValueError) as exc:
+        raise LlmoptError(f"--set {key.strip()}: the value cannot be read ({type(exc).__name__})") from None
+    check_shape(value, f"--set {key.strip()}")
     return [p.strip() for p in parts], value
 
 

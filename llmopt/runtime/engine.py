@@ -194,11 +194,12 @@ class LLMEngine(EngineFrontend):
 
     @classmethod
     def from_spec(cls, model: str = "default", dtype: str = "auto", device: str = "cpu",
-                  engine_config: EngineConfig | None = None, **overrides: Any) -> "LLMEngine":
+                  engine_config: EngineConfig | None = None, load_format: str = "auto",
+                  **overrides: Any) -> "LLMEngine":
         """`engine_config` (default: EngineConfig()) with `overrides` of its fields, e.g. num_kv_blocks=64."""
         from llmopt.loader import load
 
-        return cls(load(model, dtype=dtype, device=device), replace(engine_config or EngineConfig(), **overrides))
+        return cls(load(model, dtype=dtype, device=device, load_format=load_format), replace(engine_config or EngineConfig(), **overrides))
 
     def _num_blocks_for_memory(self, block_bytes: int) -> int:
         cfg, device = self.config, self.loaded.device

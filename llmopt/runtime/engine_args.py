@@ -28,6 +28,9 @@ class EngineArgs(EngineConfig):
     kv_cache_memory: Optional[str] = engine_option(None, "KV pool size, e.g. 2GiB (CPU default: 10% of free RAM).")
     dtype: str = engine_option("auto", "auto, float32, bfloat16 or float16")
     device: str = engine_option("cpu", "cpu, cuda or cuda:N")
+    load_format: str = engine_option(
+        "auto", "auto: the checkpoint's weights; dummy: random weights of the model's shape, nothing read "
+        "(a shipped architecture such as llama-3-8b works as the model).", choices=("auto", "dummy"))
     speculative_model: Optional[str] = engine_option(
         None, "Speculative decoding with this draft model (same tokenizer as the target; a smaller or int4 "
         "checkpoint), e.g. an AWQ folder.")

@@ -91,7 +91,8 @@ def run_server(args: ServeArgs, announce=print) -> None:
         from llmopt.loader import load
         from llmopt.runtime.async_engine import AsyncLLM
 
-        loaded = load(args.model, dtype=args.engine.dtype, device=args.engine.device)
+        loaded = load(args.model, dtype=args.engine.dtype, device=args.engine.device,
+                      load_format=args.engine.load_format)
         async_engine = llm = AsyncLLM.from_spec(loaded, engine_config=args.engine.engine_config())
         kv = llm.engine.kv
         kv_dtype = str(llm.engine.kv_cache_dtype).removeprefix("torch.")
@@ -130,6 +131,8 @@ def vllm_command(args: ServeArgs, api_key: str | None = None) -> list[str]:
         argv += ["--max-model-len", str(e.max_model_len)]
     if args.quantization:
         argv += ["--quantization", args.quantization]
+    if e.load_format != "auto":  # vLLM's own flag and value
+        argv += ["--load-format", e.load_format]
     if e.kv_cache_dtype != "auto":  # same flag there; vLLM checks the value against what its version supports
         argv += ["--kv-cache-dtype", e.kv_cache_dtype]
     if args.served_model_name:

@@ -128,13 +128,20 @@ def _rel(path: Path, root: Path) -> str:
 
 def write_commands(output_dir: Path, recipe_file: str, commands: list[list[str]], names: list[str]) -> Path:
     """`<output>/commands.sh`: each stage as the `llmopt` command that runs it alone."""
-    lines = ["#!/bin/sh", f"# The commands that reproduce each stage of `llmopt run {recipe_file}`, in order.",
+    lines = ["#!/bin/sh",
+             f"# The commands that reproduce each stage of `llmopt run {_comment(recipe_file)}`, in order.",
              "# (The eval stage reads its tasks and gates from recipe.yaml, the resolved recipe, beside this file.)",
              "set -e"]
     for name, command in zip(names, commands):
-        lines += ["", f"# {name}", shlex.join(command)]
+        lines += ["", f"# {_comment(name)}", shlex.join(command)]
     path = Path(output_dir) / COMMANDS
     with atomic_file(path) as tmp:
         tmp.write_text("\n".join(lines) + "\n", encoding="utf-8")
     path.chmod(path.stat().st_mode | 0o111)  # runnable as ./commands.sh
     return path
+
+
+def _comment(text: str) -> str:
+    """User text for a `#` line of a shell file: a newline (or any unprintable character) would end
+    the comment and make the rest a command, so each is written as its escape (`\\n`)."""
+    return "".join(ch if ch.isprintable() else ch.encode("unicode_escape").decode("ascii") for ch in text)

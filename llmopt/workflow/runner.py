@@ -27,12 +27,14 @@ from typing import Any
 
 from llmopt import __version__
 from llmopt.core.atomic import atomic_file
+from llmopt.core.output_paths import inside
 from llmopt.errors import LlmoptError
 from llmopt.recipes.schema import Recipe
 from llmopt.workflow.command_line import render
-from llmopt.workflow.stages import DONE, ERROR, GATE_FAILED, NOT_RUN, REUSED, SERVE, Observer, Stage, StageOutcome, \
-    plan_stages
+from llmopt.workflow.stages import DONE, ERROR, GATE_FAILED, NOT_RUN, QUANTIZE, RECIPE_COPY, REUSED, SERVE, Observer, \
+    Stage, StageOutcome, plan_stages
 
+RUNS = "runs"  # the default parent of run folders: runs/<recipe name>
 STAMPS = ".llmopt-run"
 RESULTS = "results.json"
 FORMAT_VERSION = 1
@@ -54,9 +56,17 @@ class RunResult:
         return 1 if any(o.status == GATE_FAILED for o in self.outcomes) else 0
 
 
+def run_folder(recipe: Recipe, recipe_file: Path, output: Path | None) -> Path:
+    """The run folder: `--output` as given, else `runs/<name>`, where the recipe's name must stay inside runs/."""
+    if output is not None:
+        return Path(output)
+    return inside(Path(RUNS), recipe.name or Path(recipe_file).stem, "name")
+
+
 def prepare(recipe: Recipe, output_dir: Path) -> list[Stage]:
     """Plan and check every stage (LlmoptError on the first problem), before anything runs or is written."""
     stages = plan_stages(recipe, output_dir)
+    _check_checkpoint_name(stages, Path(output_dir))
     for stage in stages:
         try:
             stage.check()
@@ -107,6 +117,19 @@ def run_recipe(recipe: Recipe, recipe_file: str, output_dir: Path, stages: list[
         write_results(result)
         write_report(result)
     return result
+
+
+def _check_checkpoint_name(stages: list[Stage], output_dir: Path) -> None:
+    """quantize.output must not take the name of a file or folder the run itself writes."""
+    from llmopt.workflow.report import COMMANDS, REPORT
+
+    taken = {STAMPS, RESULTS, REPORT, COMMANDS, RECIPE_COPY}
+    taken |= {p.relative_to(output_dir).parts[0] for s in stages if s.name != QUANTIZE for p in s.outputs
+              if p.is_relative_to(output_dir)}
+    for stage in stages:
+        if stage.name == QUANTIZE and stage.outputs[0].relative_to(output_dir).parts[0] in taken:
+            raise LlmoptError(f"quantize.output: {stage.outputs[0].relative_to(output_dir)} is where the run writes "
+                              f"its own files ({', '.join(sorted(taken))}); choose another name, e.g. 'model'")
 
 
 # ---------------------------------------------------------------------------- stamps

@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from llmopt.core.output_paths import inside
 from llmopt.errors import LlmoptError
 from llmopt.options import build, from_recipe
 from llmopt.workflow.command_line import Invocation, render
@@ -136,7 +137,9 @@ def _quantize_stage(recipe: Recipe, output_dir: Path) -> Stage:
     if "device" not in values and recipe.model.device:
         values["device"] = recipe.model.device
     fmt = q.format or ("gguf" if q.method == "gguf" else None)
-    output = output_dir / (q.output or ("model.gguf" if fmt == "gguf" else "model"))
+    # the recipe names the checkpoint inside the run folder, never a place outside it (stage forces --overwrite)
+    output = inside(output_dir, q.output, "quantize.output") if q.output is not None \
+        else output_dir / ("model.gguf" if fmt == "gguf" else "model")
     flags = {**values, "output": str(output), "overwrite": True}
     request = build(QuantizeRequest, {**flags, "model": recipe.model.spec, "output": output})
 
