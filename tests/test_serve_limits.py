@@ -276,6 +276,9 @@ def test_health_answers_while_heavy_requests_are_prepared(server, name):
     worst = slowest_health(server, busy)
     sender.join()
     assert result["status"] in (200, 400), result  # a prompt over the context is a 400, after tokenizing
+    # on a heavily loaded machine a /health call can miss 100 ms with the loop free; a preparation
+    # on the event loop would hold it for about the whole preparation (seconds)
+    bound = max(bound, result["seconds"] / 4)
     assert worst < bound, f"/health took {worst:.3f} s while {name} was prepared ({result['seconds']:.2f} s)"
 
 
