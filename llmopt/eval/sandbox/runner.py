@@ -221,10 +221,12 @@ def _send(proc: subprocess.Popen, job: dict) -> None:
 def _read_until(stream, deadline: float) -> bytes:
     """The checker's stdout up to its end, VERDICT_BYTES or the deadline, whichever comes first."""
     fd = stream.fileno()
+    poller = select.poll()  # not select(): it cannot watch fds past 1024
+    poller.register(fd, select.POLLIN)
     chunks, size = [], 0
     while size < VERDICT_BYTES:
         left = deadline - time.monotonic()
-        if left <= 0 or not select.select([fd], [], [], left)[0]:
+        if left <= 0 or not poller.poll(left * 1000):
             break
         chunk = os.read(fd, VERDICT_BYTES - size)
         if not chunk:
