@@ -4,6 +4,21 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
+# HumanEval runs model-written code in bubblewrap (`bwrap`) under a libseccomp filter: Debian's bubblewrap and
+# libseccomp2. Without them `llmopt eval --tasks humaneval` refuses to run (exit 2) and its tests skip
+# (fail where LLMOPT_REQUIRE_SANDBOX=1, as in .ci/run). Not fatal: a machine without apt or offline goes on.
+if command -v bwrap >/dev/null 2>&1; then
+  echo "bubblewrap: $(bwrap --version) (HumanEval's sandbox)"
+elif command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+  if { apt-get install -y -qq bubblewrap libseccomp2 >/dev/null 2>&1 \
+       || { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq bubblewrap libseccomp2 >/dev/null 2>&1; }; }; then
+    echo "bubblewrap: installed $(bwrap --version) (HumanEval's sandbox)"
+  else
+    echo "bubblewrap: apt-get install bubblewrap failed (offline?): HumanEval will refuse to run until it is installed"
+  fi
+else
+  echo "bubblewrap: not installed and no apt-get as root here: install it (e.g. apt-get install bubblewrap) for HumanEval"
+fi
 if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi

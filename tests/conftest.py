@@ -136,3 +136,16 @@ def assert_usage_error(args, *fragments):
     for fragment in fragments:
         assert fragment in lines[0], (fragment, lines[0])
     return lines[0]
+
+
+@pytest.fixture(scope="session")
+def os_sandbox() -> None:
+    """HumanEval's OS sandbox (bubblewrap + user namespaces): skipped with the reason where this machine cannot
+    make it; failed instead where LLMOPT_REQUIRE_SANDBOX=1 (.ci/run, after scripts/setup.sh installed bwrap)."""
+    from llmopt.eval.sandbox.bwrap import unavailable
+
+    reason = unavailable()
+    if reason is not None:
+        if os.environ.get("LLMOPT_REQUIRE_SANDBOX") == "1":
+            pytest.fail(f"LLMOPT_REQUIRE_SANDBOX=1 but the sandbox cannot run here: {reason}")
+        pytest.skip(f"the OS sandbox cannot run here: {reason}")

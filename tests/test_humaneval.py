@@ -18,6 +18,7 @@ from llmopt.eval.metrics.humaneval import (
     STOP_SEQUENCES,
     Problem,
     build_program,
+    build_test,
     chat_messages,
     extract_code,
     load_problems,
@@ -151,16 +152,20 @@ def test_extract_code(problems):
 def test_build_program_completion_mode(problems):
     problem = problems[0]
     completion = "    return True\n"
-    expected = problem.prompt + completion + "\n" + problem.test + "\n" + f"check({problem.entry_point})\n"
+    expected = problem.prompt + completion + "\n"
     assert build_program(problem, completion) == expected
     assert build_program(problem, completion + "\ndef extra():\n    pass\n") == expected  # cut at the stop
+    assert build_program(problem, completion + "\ndef extra():\n    pass\n", stop=()).endswith("def extra():\n    pass\n\n")
+    # The test code runs apart, in the checker: never in the model's program.
+    assert problem.test not in build_program(problem, completion)
+    assert build_test(problem) == problem.prompt + "\n" + problem.test + "\n"
     with pytest.raises(LlmoptError):
         build_program(problem, completion, mode="fill-in-the-middle")
 
 
 # --- scoring ---------------------------------------------------------------------------
 
-def test_canonical_solutions_pass_and_wrong_ones_fail(problems):
+def test_canonical_solutions_pass_and_wrong_ones_fail(os_sandbox, problems):
     chosen = problems[:10]
     completions = {p.task_id: [p.canonical_solution, "    return None\n"] for p in chosen}
     result = score(chosen, completions, ks=(1, 2), timeout_s=10, memory_mb=MEMORY_MB, workers=2)
@@ -170,7 +175,7 @@ def test_canonical_solutions_pass_and_wrong_ones_fail(problems):
     assert result.per_problem(1) == [0.5] * 10
 
 
-def test_chat_mode_answers(problems):
+def test_chat_mode_answers(os_sandbox, problems):
     problem = problems[2]  # truncate_number: the prompt imports nothing
     full = problem.prompt + problem.canonical_solution
     answers = [
@@ -184,14 +189,14 @@ def test_chat_mode_answers(problems):
     assert [s.status for s in result.samples] == ["passed", "passed", "passed", "failed", "failed"]
 
 
-def test_chat_mode_keeps_the_prompts_imports(problems):
+def test_chat_mode_keeps_the_prompts_imports(os_sandbox, problems):
     problem = problems[0]  # uses `List` from the prompt's `from typing import List`
     function = "def has_close_elements(numbers: List[float], threshold: float) -> bool:\n" + problem.canonical_solution
     result = score([problem], {problem.task_id: [f"```python\n{function}```"]}, mode="chat", memory_mb=MEMORY_MB)
     assert result.samples[0].status == "passed", result.samples[0].detail
 
 
-def test_pass_at_k_over_problems_with_crashing_samples(problems, caplog):
+def test_pass_at_k_over_problems_with_crashing_samples(os_sandbox, problems, caplog):
     a, b = problems[0], problems[2]
     wrong = "    return None\n"
     completions = {
@@ -211,7 +216,7 @@ def test_pass_at_k_over_problems_with_crashing_samples(problems, caplog):
     assert result.per_problem(1) == [pytest.approx(0.4), 0.0]
     assert [s.status for s in result.problems[1].samples] == ["failed", "timeout", "failed", "failed", "failed"]
     assert result.status_counts() == {"passed": 2, "failed": 7, "timeout": 1}
-    assert "SIGSEGV" in caplog.text and b.task_id in caplog.text
+    assert "SIGSEGV" in caplog.text and b.task_id in caplog.text  # a crash is logged as one
     report = json.loads(json.dumps(result.to_dict()))
     assert report["pass_at_k"]["pass@1"] == pytest.approx(0.2)
     assert report["problems"][1]["samples"][1]["status"] == "timeout"
@@ -233,7 +238,7 @@ def test_score_rejects_bad_requests(problems):
 
 
 @pytest.mark.integration
-def test_all_canonical_solutions_pass(problems):
+def test_all_canonical_solutions_pass(os_sandbox, problems):
     start = time.monotonic()
     result = score(problems, {p.task_id: [p.canonical_solution] for p in problems}, workers=2)
     elapsed = time.monotonic() - start

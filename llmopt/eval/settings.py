@@ -111,8 +111,10 @@ def parse_pass_k(value: str | list[int]) -> list[int]:
     return ks
 
 
-def resolve_settings(flags: dict[str, Any], recipe: dict[str, Any] | None, has_baseline: bool) -> EvalSettings:
-    """Merge defaults, recipe and flags (None = not given) and check every value."""
+def resolve_settings(flags: dict[str, Any], recipe: dict[str, Any] | None, has_baseline: bool,
+                     samples_file: bool = False) -> EvalSettings:
+    """Merge defaults, recipe and flags (None = not given) and check every value. `samples_file`: HumanEval
+    scores given completions (`--samples`), whose count per problem is the file's, checked when it is read."""
     merged: dict[str, Any] = {}
     explicit_tasks = False
     gates_source = "default"
@@ -157,7 +159,7 @@ def resolve_settings(flags: dict[str, Any], recipe: dict[str, Any] | None, has_b
     _check_int(s, "seed", 0)
     if s.humaneval_mode not in HUMANEVAL_MODES:
         raise LlmoptError(f"--humaneval-mode must be one of {', '.join(HUMANEVAL_MODES)}, got {s.humaneval_mode!r}")
-    if max(s.pass_k) > s.humaneval_samples and "humaneval" in s.tasks:
+    if max(s.pass_k) > s.humaneval_samples and "humaneval" in s.tasks and not samples_file:
         raise LlmoptError(f"pass@{max(s.pass_k)} needs at least {max(s.pass_k)} samples per problem; "
                           f"raise --humaneval-samples (now {s.humaneval_samples})")
     if not isinstance(s.temperature, (int, float)) or s.temperature < 0:

