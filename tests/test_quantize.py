@@ -133,22 +133,24 @@ def test_loaded_weights_equal_the_quantizers_weights(tiny_models, calib_file, tm
     """What llmopt loads from the checkpoint is exactly the grid the quantizer chose."""
     kw = {"rtn": dict(method="rtn"), "awq": dict(method="awq"), "gptq": dict(method="gptq"),
           "gptq-act": dict(method="gptq", desc_act=True)}[name]
-    from llmopt.quant import quantize as quantize_module
+    from llmopt.quant import streaming
+    from llmopt.quant.layerwise import checkpoint_tensors
 
     captured = {}
-    original = quantize_module.quantized_state_dict
+    original = streaming._emit
 
-    def capture(model, sites, fmt):
-        captured["state"] = {k: v.clone() for k, v in hf_state_dict(model).items()}
-        return original(model, sites, fmt)
+    def capture(sink, config, module, prefix, sites, fmt, dense_dtype):  # each module as it is written
+        captured.update({k: v.clone() for k, v in checkpoint_tensors(config, module, prefix).items()})
+        return original(sink, config, module, prefix, sites, fmt, dense_dtype)
 
-    quantize_module.quantized_state_dict = capture
+    streaming._emit = capture
     try:
         out = quantize(request(tiny_models["llama"], tmp_path / name, calib_file, **kw)).output
     finally:
-        quantize_module.quantized_state_dict = original
+        streaming._emit = original
     loaded = hf_state_dict(load(out, int4_kernels=False).model)
-    for key, expected in captured["state"].items():
+    assert len(captured) == 3 * 9  # every decoder layer's tensors: 7 projections, 2 norms
+    for key, expected in captured.items():
         tol = 0 if key.endswith(("proj.weight",)) else 1e-3  # other tensors were stored as fp16
         assert torch.allclose(loaded[key], expected, atol=tol, rtol=tol), key
 
@@ -253,20 +255,22 @@ def test_existing_output_and_already_quantized(tiny_models, quantized, tmp_path,
 
 
 def test_interrupt_midway_leaves_nothing(tiny_models, calib_file, tmp_path, monkeypatch):
-    from llmopt.quant import quantize as quantize_module
+    from llmopt.quant import streaming
 
-    real = quantize_module.quantize_layers
+    real = streaming.quantize_decoder_layer
 
-    def interrupted(model, ids, options, lm_head, on_layer):
-        def stop_at_two(done, total):
-            if done == 2:
-                raise KeyboardInterrupt
-        return real(model, ids, options, lm_head, stop_at_two)
+    def interrupted(config, layer, index, *args):
+        if index == 2:
+            raise KeyboardInterrupt
+        return real(config, layer, index, *args)
 
-    monkeypatch.setattr(quantize_module, "quantize_layers", interrupted)
+    monkeypatch.setattr(streaming, "quantize_decoder_layer", interrupted)
     out = tmp_path / "out"
-    assert_usage_error(["quantize", str(tiny_models["llama"]), "-o", str(out), "--method", "gptq", "--group-size", "32",
-                        "--calib", str(calib_file), "--num-samples", "4", "--seq-len", "16"], "interrupted")
+    code, err, _ = run_cli("quantize", str(tiny_models["llama"]), "-o", str(out), "--method", "gptq", "--group-size", "32",
+                           "--calib", str(calib_file), "--num-samples", "4", "--seq-len", "16")
+    lines = err.strip().splitlines()
+    assert code == 2 and lines[-1].startswith("error: interrupted") and "Traceback" not in err
+    assert all(line.startswith("llmopt: ") for line in lines[:-1])  # the memory plan and progress lines before it
     assert list(tmp_path.iterdir()) == []
 
 

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import logging
+import time
+
 import typer
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
 from llmopt.cli.common import console, err_console, handles_errors, print_json
 from llmopt.cli.options import request_options
 from llmopt.errors import LlmoptError
 from llmopt.quant.quantize import QuantizeRequest
+
+log = logging.getLogger("llmopt")
 
 
 @handles_errors
@@ -23,11 +28,20 @@ def quantize(
 
     validate(request)
     progress = Progress(TextColumn(f"{request.method} layers"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                        console=err_console, transient=True, disable=json_output or not err_console.is_terminal)
+                        TextColumn("ETA"), TimeRemainingColumn(), console=err_console, transient=True, disable=json_output or not err_console.is_terminal)
     task = progress.add_task("layers", total=None)
+    started = time.perf_counter()
+
+    def on_layer(done: int, total: int) -> None:
+        progress.update(task, completed=done, total=total)
+        if progress.disable:  # no live bar (a CI log, --json): one stderr line per layer
+            elapsed = time.perf_counter() - started
+            log.info("%s: layer %d/%d, %.0f s elapsed, ETA %.0f s", request.method, done, total, elapsed,
+                     elapsed / done * (total - done))
+
     try:
         with progress:
-            report = run_quantize(request, on_layer=lambda done, total: progress.update(task, completed=done, total=total))
+            report = run_quantize(request, on_layer=on_layer)
     except KeyboardInterrupt:
         raise LlmoptError(f"interrupted; nothing was written to {request.output}") from None
     doc = report.to_dict()

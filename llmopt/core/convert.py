@@ -32,15 +32,21 @@ def write_hf_folder(
     overwrite: bool = False,
 ) -> Path:
     with atomic_dir(Path(out), overwrite=overwrite) as tmp:
-        (tmp / "config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
-        generation = {"bos_token_id": config.get("bos_token_id"), "eos_token_id": config.get("eos_token_id")}
-        (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2), encoding="utf-8")
-        tokenizer.save(tmp)
+        write_hf_files(tmp, config, tokenizer, provenance)
         save_safetensors(tensors, tmp / "model.safetensors")
-        (tmp / "llmopt_source.json").write_text(
-            json.dumps({**provenance, "llmopt_version": __version__}, indent=2), encoding="utf-8"
-        )
     return Path(out)
+
+
+def write_hf_files(folder: Path, config: dict[str, Any], tokenizer: Tokenizer, provenance: dict[str, Any]) -> None:
+    """Everything of a Hugging Face folder but the weights: config, generation config, tokenizer,
+    and llmopt_source.json (where the weights came from)."""
+    (folder / "config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
+    generation = {"bos_token_id": config.get("bos_token_id"), "eos_token_id": config.get("eos_token_id")}
+    (folder / "generation_config.json").write_text(json.dumps(generation, indent=2), encoding="utf-8")
+    tokenizer.save(folder)
+    (folder / "llmopt_source.json").write_text(
+        json.dumps({**provenance, "llmopt_version": __version__}, indent=2), encoding="utf-8"
+    )
 
 
 def convert_gguf(gguf_path: Path, out: Path, dtype: str = "float32", overwrite: bool = False) -> Path:

@@ -48,6 +48,20 @@ def pack_tensors(fmt: str, prefix: str, q: QuantizedWeight) -> dict[str, torch.T
             f"{prefix}.g_idx": q.g_idx.to(torch.int32).clone()}
 
 
+def packed_shapes(fmt: str, prefix: str, out_features: int, in_features: int,
+                  scheme: QuantScheme) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    """The (dtype, shape) of each tensor `pack_tensors` writes for an out x in projection, known
+    before it is quantized (a checkpoint writer plans its files from them)."""
+    groups = scheme.groups_of(in_features)
+    shapes = {f"{prefix}.qweight": (torch.int32, (in_features, out_features // 8) if fmt == "awq"
+                                    else (in_features // 8, out_features)),
+              f"{prefix}.qzeros": (torch.int32, (groups, out_features // 8)),
+              f"{prefix}.scales": (torch.float16, (groups, out_features))}
+    if fmt != "awq":
+        shapes[f"{prefix}.g_idx"] = (torch.int32, (in_features,))
+    return shapes
+
+
 def unpack_tensors(fmt: str, tensors: dict[str, torch.Tensor], prefix: str, bits: int, group_size: int,
                    gptq_v2: bool = False) -> QuantizedWeight:
     """Read one projection back as codes + grid, checking shapes agree with each other."""

@@ -197,3 +197,120 @@ class CheckpointReader:
         if nbytes == 0:
             return torch.empty(shape, dtype=entry.dtype)
         return torch.frombuffer(buffer, dtype=entry.dtype).reshape(shape)
+
+
+# safetensors writes tensors sorted by dtype, largest alignment first (its Rust `Dtype` enum
+# order, descending), then by name; a planned file must follow it to equal `save_file`'s bytes
+_SAFETENSORS_WRITE_ORDER = ("U64", "I64", "F64", "F32", "U32", "I32", "BF16", "F16", "U16", "I16",
+                            "F8_E4M3", "F8_E5M2", "I8", "U8", "BOOL")
+_SAFETENSORS_NAMES = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
+DEFAULT_MAX_SHARD_SIZE = "5GB"  # transformers' save_pretrained default
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """A tensor a writer will receive: its name, dtype and shape, known before its data."""
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+def parse_shard_size(size: int | str) -> int:
+    """"5GB", "500MB", "2GiB" or a byte count -> bytes (huggingface_hub's reading, as transformers')."""
+    from huggingface_hub.serialization._base import parse_size_to_int
+
+    text = str(size).strip()
+    try:
+        value = int(text) if text.isdigit() else parse_size_to_int(text)
+    except ValueError:
+        raise LlmoptError(f"--max-shard-size {size!r} is not a size; write e.g. 5GB, 500MB or a byte count") from None
+    if value <= 0:
+        raise LlmoptError(f"--max-shard-size must be positive, got {size!r}")
+    return value
+
+
+class SafetensorsShardWriter:
+    """Writes a safetensors checkpoint whose tensor table is planned before any data arrives, so
+    tensors can be written one at a time, in any order, and freed: each file's header is
+    written first and each tensor's bytes go to their planned offset (`pwrite`).
+
+    Shards are split as transformers' `save_pretrained` splits them (huggingface_hub's
+    splitter over the plan's order, `max_shard_size` per file): one file is
+    `model.safetensors`, several are `model-0000i-of-0000n.safetensors` with
+    `model.safetensors.index.json`. Each file's bytes equal what `safetensors.torch.save_file`
+    writes for the same tensors with metadata {"format": "pt"}.
+    """
+
+    def __init__(self, folder: Path, plan: list[TensorSpec], max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE):
+        from huggingface_hub import split_state_dict_into_shards_factory
+
+        self.folder = Path(folder)
+        specs = {spec.name: spec for spec in plan}
+        split = split_state_dict_into_shards_factory(
+            specs, get_storage_size=lambda spec: spec.nbytes, get_storage_id=lambda spec: None,
+            filename_pattern="model{suffix}.safetensors", max_shard_size=parse_shard_size(max_shard_size))
+        self.sharded = split.is_sharded
+        self.weight_map = dict(split.tensor_to_filename)
+        self.total_size = sum(spec.nbytes for spec in plan)
+        self._where: dict[str, tuple[Path, int, TensorSpec]] = {}  # name -> (file, absolute offset, spec)
+        self._missing: dict[str, int] = {}  # name -> bytes not yet written
+        self.files: list[Path] = []
+        for filename, names in split.filename_to_tensors.items():
+            path = self.folder / filename
+            self._plan_file(path, [specs[name] for name in names])
+            self.files.append(path)
+
+    def _plan_file(self, path: Path, specs: list[TensorSpec]) -> None:
+        order = {name: i for i, name in enumerate(_SAFETENSORS_WRITE_ORDER)}
+        specs = sorted(specs, key=lambda s: (order[_SAFETENSORS_NAMES[s.dtype]], s.name))
+        header: dict = {"__metadata__": {"format": "pt"}}
+        offset = 0
+        for spec in specs:
+            header[spec.name] = {"dtype": _SAFETENSORS_NAMES[spec.dtype], "shape": list(spec.shape),
+                                 "data_offsets": [offset, offset + spec.nbytes]}
+            offset += spec.nbytes
+        raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+        raw += b" " * (-len(raw) % 8)  # safetensors pads the header to 8 bytes with spaces
+        data_start = 8 + len(raw)
+        with open(path, "wb") as f:
+            f.write(len(raw).to_bytes(8, "little"))
+            f.write(raw)
+            f.truncate(data_start + offset)
+        for spec in specs:
+            begin = header[spec.name]["data_offsets"][0]
+            self._where[spec.name] = (path, data_start + begin, spec)
+            self._missing[spec.name] = spec.nbytes
+
+    def write(self, name: str, tensor: torch.Tensor, row_start: int = 0) -> None:
+        """Write `tensor` as planned tensor `name`, or as its rows from `row_start` on (a large
+        tensor written in pieces)."""
+        if name not in self._where:
+            raise ValueError(f"tensor {name!r} is not in the checkpoint's plan")
+        path, offset, spec = self._where[name]
+        whole = tuple(tensor.shape) == spec.shape and row_start == 0
+        rows_fit = tensor.dim() >= 1 and tuple(tensor.shape[1:]) == spec.shape[1:] and \
+            row_start + tensor.shape[0] <= spec.shape[0]
+        if tensor.dtype != spec.dtype or not (whole or rows_fit):
+            raise ValueError(f"tensor {name!r}: {tensor.dtype} {tuple(tensor.shape)} at row {row_start} "
+                             f"does not fit the plan's {spec.dtype} {spec.shape}")
+        data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
+        row_bytes = math.prod(spec.shape[1:]) * spec.dtype.itemsize
+        with open(path, "r+b", buffering=0) as f:
+            view, done, at = memoryview(data), 0, offset + row_start * row_bytes
+            while done < len(view):
+                done += os.pwrite(f.fileno(), view[done:], at + done)
+        self._missing[name] -= len(data)
+
+    def close(self) -> list[Path]:
+        """Check every planned tensor was written in full; write the index when sharded."""
+        unwritten = [name for name, left in self._missing.items() if left]
+        if unwritten:
+            raise RuntimeError(f"checkpoint incomplete: {len(unwritten)} tensor(s) not written, e.g. {unwritten[:3]}")
+        if self.sharded:
+            index = {"metadata": {"total_size": self.total_size}, "weight_map": self.weight_map}
+            (self.folder / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        return self.files

@@ -22,7 +22,9 @@ from pathlib import Path
 
 import torch
 
+from llmopt.core.config import ModelConfig
 from llmopt.core.documents import hub_documents, read_documents
+from llmopt.core.tokenizer import Tokenizer
 from llmopt.errors import LlmoptError
 
 SELF_CALIBRATION_TOPICS = (
@@ -44,8 +46,17 @@ class CalibrationData:
     num_tokens_available: int
 
 
+@dataclass
+class TextModel:
+    """What calibration from text needs of a model: its config (context length) and tokenizer."""
+
+    config: ModelConfig
+    tokenizer: Tokenizer
+
+
 def load_calibration(spec: str, model, num_samples: int, seq_len: int, seed: int) -> CalibrationData:
-    """`model` is a LoadedModel (its tokenizer, and its decoder for self-calibration)."""
+    """`model` is a LoadedModel (its tokenizer, and its decoder for self-calibration) or, for
+    calibration from text, a TextModel."""
     if num_samples <= 0 or seq_len <= 0:
         raise LlmoptError(f"--num-samples and --seq-len must be positive (got {num_samples} and {seq_len})")
     if seq_len > model.config.max_position_embeddings:

@@ -1,4 +1,5 @@
-"""The layer-by-layer calibration engine shared by AWQ and GPTQ.
+"""The per-layer calibration engine shared by AWQ and GPTQ (and RTN's rounding), driven layer
+after layer by `streaming.py`.
 
 Decoder layer 0 gets the embedded calibration tokens; each layer then runs forward ONCE
 over all samples, and every linear is quantized at the moment its input arrives (a
@@ -18,13 +19,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
-from llmopt.core.memory import release_freed_memory
+from llmopt.core.config import ModelConfig
 from llmopt.model.attention import EqualLengthAttention
-from llmopt.model.llama import LlamaForCausalLM
+from llmopt.model.llama import STACKED_PROJECTIONS, DecoderLayer
 from llmopt.quant import awq, gptq
 from llmopt.quant.quantizer import QuantizedWeight, QuantScheme, quantize_rtn
 
@@ -56,88 +56,117 @@ def sites_of(layer_prefix: str) -> list[str]:
             f"{layer_prefix}.mlp.gate_up_proj", f"{layer_prefix}.mlp.down_proj"]
 
 
-def part_rows(model: LlamaForCausalLM, site: str) -> dict[str, slice]:
+def part_rows(config: ModelConfig, site: str) -> dict[str, slice]:
     """Output-row slices of a fused site by checkpoint projection name (q_proj, k_proj, ...)."""
-    cfg = model.config
     if site.endswith("qkv_proj"):
-        q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+        q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
         return {"q_proj": slice(0, q), "k_proj": slice(q, q + kv), "v_proj": slice(q + kv, q + 2 * kv)}
     if site.endswith("gate_up_proj"):
-        i = cfg.intermediate_size
+        i = config.intermediate_size
         return {"gate_proj": slice(0, i), "up_proj": slice(i, 2 * i)}
     return {}
 
 
+def site_of(checkpoint_name: str) -> str:
+    """model.layers.0.self_attn.q_proj.weight -> model.layers.0.self_attn.qkv_proj (our fused module)."""
+    prefix = checkpoint_name.rsplit(".", 1)[0]
+    for fused, parts in STACKED_PROJECTIONS.items():
+        for part in parts:
+            if prefix.endswith(f".{part}"):
+                return prefix[: -len(part)] + fused
+    return prefix
+
+
+def part_slice(config: ModelConfig, checkpoint_name: str) -> slice:
+    """The output rows of its fused site that checkpoint tensor `checkpoint_name` holds."""
+    part = checkpoint_name.rsplit(".", 1)[0].rpartition(".")[2]
+    return part_rows(config, site_of(checkpoint_name)).get(part, slice(None))
+
+
+def checkpoint_tensors(config: ModelConfig, module: torch.nn.Module, prefix: str = "") -> dict[str, torch.Tensor]:
+    """`module`'s tensors under checkpoint names (`prefix` + local name): fused q/k/v and gate/up
+    split back apart (views)."""
+    state = {}
+    for local, tensor in module.state_dict().items():
+        name = f"{prefix}.{local}" if prefix else local
+        site, _, kind = name.rpartition(".")
+        rows = part_rows(config, site)
+        if rows:
+            parent = site.rsplit(".", 1)[0]
+            for part, sl in rows.items():
+                state[f"{parent}.{part}.{kind}"] = tensor[sl]
+        else:
+            state[name] = tensor
+    return state
+
+
+LAYER_SITES = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+
+
 @torch.inference_mode()
-def quantize_layers(model: LlamaForCausalLM, input_ids: torch.Tensor, options: MethodOptions,
-                    quantize_lm_head: bool = False,
-                    on_layer: Callable[[int, int], None] | None = None) -> list[QuantizedSite]:
-    """Quantize every decoder linear of `model` in place; returns the quantized weights in order."""
-    if quantize_lm_head and model.config.tie_word_embeddings:  # the embeddings stay unquantized
-        model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone(), requires_grad=False)
+def quantize_decoder_layer(config: ModelConfig, layer: DecoderLayer, index: int, x: torch.Tensor | None,
+                           cos: torch.Tensor | None, sin: torch.Tensor | None, attn: EqualLengthAttention | None,
+                           options: MethodOptions) -> tuple[torch.Tensor | None, list[QuantizedSite]]:
+    """Quantize the four linears of decoder layer `index` in place (AWQ also folds its scales
+    into the layer's norms and feeding rows). `x` is the layer's calibration input (the
+    previous, already quantized layer's output; None for RTN, which needs no data): returns
+    the quantized layer's output on it, and the layer's sites in order."""
+    prefix = f"model.layers.{index}"
     if options.method == "rtn":
-        return _rtn_all(model, options.scheme, quantize_lm_head, on_layer)
-    num_seqs, seq_len = input_ids.shape
-    inner = model.model
-    x = inner.embed_tokens(input_ids.reshape(-1))
-    positions = torch.arange(seq_len).repeat(num_seqs)
-    cos, sin = inner.rotary_emb(positions, x.dtype)
-    attn = EqualLengthAttention(num_seqs, seq_len)
-    sites: list[QuantizedSite] = []
-    for i, layer in enumerate(inner.layers):
-        prefix = f"model.layers.{i}"
-        done: dict[str, QuantizedSite] = {}
-        handles = [
-            module.register_forward_pre_hook(_hook(model, layer, f"{prefix}.{local}", module, options, done))
-            for local, module in (("self_attn.qkv_proj", layer.self_attn.qkv_proj), ("self_attn.o_proj", layer.self_attn.o_proj),
-                                  ("mlp.gate_up_proj", layer.mlp.gate_up_proj), ("mlp.down_proj", layer.mlp.down_proj))
-        ]
-        try:
-            x = layer(x, cos, sin, attn)
-        finally:
-            for h in handles:
-                h.remove()
-        sites.extend(done[name] for name in sites_of(prefix))
-        release_freed_memory()
-        if on_layer:
-            on_layer(i + 1, len(inner.layers))
-    if quantize_lm_head:
-        done = {}
-        handle = model.lm_head.register_forward_pre_hook(_hook(model, None, "lm_head", model.lm_head, options, done))
-        try:
-            model.lm_head(inner.norm(x)[:: max(1, x.shape[0] // 4096)])  # GPTQ/AWQ see a sample of final states
-        finally:
-            handle.remove()
-        sites.append(done["lm_head"])
-    return sites
+        return x, [_rtn_site(f"{prefix}.{local}", layer.get_submodule(local), options.scheme) for local in LAYER_SITES]
+    done: dict[str, QuantizedSite] = {}
+    handles = [layer.get_submodule(local).register_forward_pre_hook(
+        _hook(config, layer, f"{prefix}.{local}", layer.get_submodule(local), options, done)) for local in LAYER_SITES]
+    try:
+        x = layer(x, cos, sin, attn)
+    finally:
+        for h in handles:
+            h.remove()
+    return x, [done[name] for name in sites_of(prefix)]
 
 
-def _hook(model, layer, name: str, module, options: MethodOptions, done: dict[str, QuantizedSite]):
+@torch.inference_mode()
+def quantize_output_layer(config: ModelConfig, norm, lm_head, x: torch.Tensor | None,
+                          options: MethodOptions) -> QuantizedSite:
+    """Quantize the output projection `lm_head` in place; GPTQ/AWQ see a sample of the final
+    hidden states `x` (after `norm`)."""
+    if options.method == "rtn":
+        return _rtn_site("lm_head", lm_head, options.scheme)
+    done: dict[str, QuantizedSite] = {}
+    handle = lm_head.register_forward_pre_hook(_hook(config, None, "lm_head", lm_head, options, done))
+    try:
+        lm_head(norm(x)[:: max(1, x.shape[0] // 4096)])
+    finally:
+        handle.remove()
+    return done["lm_head"]
+
+
+def _hook(config: ModelConfig, layer, name: str, module, options: MethodOptions, done: dict[str, QuantizedSite]):
     def pre_hook(mod, args):
         (x,) = args
         flat = x.reshape(-1, x.shape[-1]).float()
-        qsite, x_used = _quantize_site(model, layer, name, module, flat, options, done)
+        qsite, x_used = _quantize_site(config, layer, name, module, flat, options, done)
         done[name] = qsite
         return (x_used.reshape(x.shape).to(x.dtype),)
 
     return pre_hook
 
 
-def _quantize_site(model, layer, name, module, x, options: MethodOptions, done) -> tuple[QuantizedSite, torch.Tensor]:
+def _quantize_site(config: ModelConfig, layer, name, module, x, options: MethodOptions, done) -> tuple[QuantizedSite, torch.Tensor]:
     start = time.perf_counter()
     w = module.weight.detach().float().clone()  # the module's weight is overwritten below
     scheme, details, unrounded = options.scheme, {}, None
     x_used = x
     if options.method == "awq":
         s = torch.ones(w.shape[1])
-        fold = _awq_fold_target(model, layer, name, done)
+        fold = _awq_fold_target(config, layer, name, done)
         if fold is not None:
             s, ratio = awq.search_scale(x, w, scheme, options.n_grid, options.search_tokens)
             details["scale_ratio"] = ratio
             fold(s)
             x_used = x / s
         w_scaled = w * s
-        rows = _clip_rows(model, name, w.shape[0])
+        rows = _clip_rows(config, name, w.shape[0])
         w_clipped = awq.search_clip(x_used, w_scaled, scheme, rows, options.n_grid)
         qweight = quantize_rtn(w_clipped, scheme)
         unrounded = w_clipped if options.keep_unrounded else None
@@ -154,7 +183,7 @@ def _quantize_site(model, layer, name, module, x, options: MethodOptions, done) 
     return QuantizedSite(name=name, weight=qweight, relative_error=error, details=details, unrounded=unrounded), x_used
 
 
-def _awq_fold_target(model, layer, name: str, done: dict[str, QuantizedSite]):
+def _awq_fold_target(config: ModelConfig, layer, name: str, done: dict[str, QuantizedSite]):
     """Where AWQ's 1/s goes for this site's input, or None when it cannot be folded (no scaling)."""
     if layer is None:  # lm_head: its input norm is shared with nothing else, but AutoAWQ leaves it unscaled
         return None
@@ -164,13 +193,12 @@ def _awq_fold_target(model, layer, name: str, done: dict[str, QuantizedSite]):
     if name.endswith("gate_up_proj"):
         return lambda s: layer.post_attention_layernorm.weight.div_(s.to(layer.post_attention_layernorm.weight.dtype))
     if name.endswith("down_proj"):
-        feeder, rows = done[f"{prefix}.mlp.gate_up_proj"], part_rows(model, f"{prefix}.mlp.gate_up_proj")["up_proj"]
+        feeder, rows = done[f"{prefix}.mlp.gate_up_proj"], part_rows(config, f"{prefix}.mlp.gate_up_proj")["up_proj"]
         return lambda s: _scale_rows(feeder, rows, s, layer.mlp.gate_up_proj)
     if name.endswith("o_proj"):
-        cfg = model.config
-        if cfg.num_key_value_heads != cfg.num_attention_heads:
+        if config.num_key_value_heads != config.num_attention_heads:
             return None  # v's rows do not map one to one onto o's inputs (GQA), as AutoAWQ requires
-        feeder, rows = done[f"{prefix}.self_attn.qkv_proj"], part_rows(model, f"{prefix}.self_attn.qkv_proj")["v_proj"]
+        feeder, rows = done[f"{prefix}.self_attn.qkv_proj"], part_rows(config, f"{prefix}.self_attn.qkv_proj")["v_proj"]
         return lambda s: _scale_rows(feeder, rows, s, layer.self_attn.qkv_proj)
     return None
 
@@ -186,28 +214,17 @@ def _scale_rows(site: QuantizedSite, rows: slice, s: torch.Tensor, module) -> No
         module.bias[rows] = module.bias[rows] / s.to(module.bias.dtype)
 
 
-def _clip_rows(model, name: str, out_features: int) -> torch.Tensor | None:
+def _clip_rows(config: ModelConfig, name: str, out_features: int) -> torch.Tensor | None:
     """AWQ does not clip q/k: their error is amplified by the attention softmax."""
     if not name.endswith("qkv_proj"):
         return None
     rows = torch.zeros(out_features, dtype=torch.bool)
-    rows[part_rows(model, name)["v_proj"]] = True
+    rows[part_rows(config, name)["v_proj"]] = True
     return rows
 
 
-def _rtn_all(model, scheme: QuantScheme, quantize_lm_head: bool, on_layer) -> list[QuantizedSite]:
+def _rtn_site(name: str, module, scheme: QuantScheme) -> QuantizedSite:
     """Round-to-nearest needs no calibration data: each weight is rounded on its own."""
-    sites = []
-    layers = model.model.layers
-    names = [[*sites_of(f"model.layers.{i}")] for i in range(len(layers))]
-    if quantize_lm_head:
-        names[-1].append("lm_head")
-    for i, layer_names in enumerate(names):
-        for name in layer_names:
-            module = model.get_submodule(name)
-            q = quantize_rtn(module.weight.detach(), scheme)
-            module.weight.copy_(q.dequantize().to(module.weight.dtype))
-            sites.append(QuantizedSite(name=name, weight=q, relative_error=None))
-        if on_layer:
-            on_layer(i + 1, len(layers))
-    return sites
+    q = quantize_rtn(module.weight.detach(), scheme)
+    module.weight.copy_(q.dequantize().to(module.weight.dtype))
+    return QuantizedSite(name=name, weight=q, relative_error=None)

@@ -1,15 +1,18 @@
 """`quantize(...)`: one model in, one quantized checkpoint (folder or .gguf) and a report out.
 
-    load (core) -> calibration tokens -> layer-by-layer RTN / AWQ / GPTQ -> pack -> write
-    (temp path, renamed at the end) -> quantize_report.json
+    memory plan (refuse early) -> calibration tokens -> layer by layer from the checkpoint on
+    disk: read, calibrate, RTN / AWQ / GPTQ, pack, write (streaming.py; temp path, renamed at
+    the end) -> quantize_report.json
 
-The model is loaded in float32 on the chosen device and quantized in place; the writers
-take its (now quantized) weights, split our fused q/k/v and gate/up projections back
-into the checkpoint's per-projection tensors, and pack them.
+Only one decoder layer is in memory at a time, in the compute dtype (`--dtype`); its
+quantized weights are split back into the checkpoint's per-projection tensors, packed and
+written to the planned shards before the next layer is read. GGUF export collects the
+tensors and writes the file at the end.
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import resource
@@ -22,18 +25,22 @@ import torch
 
 from llmopt import __version__
 from llmopt.core import resolve
-from llmopt.loader import load
-from llmopt.core.atomic import atomic_file
-from llmopt.core.convert import write_hf_folder
+from llmopt.core.atomic import atomic_dir, atomic_file
+from llmopt.core.config import ModelConfig
+from llmopt.core.convert import DTYPES, write_hf_files
+from llmopt.core.memory import release_freed_memory
+from llmopt.core.quant_formats import quantization_config
+from llmopt.core.source import load_tokenizer
+from llmopt.core.weights import DEFAULT_MAX_SHARD_SIZE, CheckpointReader, SafetensorsShardWriter, parse_shard_size
 from llmopt.core.output_paths import check_output
 from llmopt.errors import LlmoptError
+from llmopt.loader import load
 from llmopt.options import option
-from llmopt.model.llama import STACKED_PROJECTIONS
-from llmopt.quant.calibration import load_calibration
-from llmopt.core.quant_formats import pack_tensors, quantization_config
-from llmopt.quant.layerwise import MethodOptions, QuantizedSite, part_rows, quantize_layers
+from llmopt.quant.calibration import CalibrationData, TextModel, load_calibration
+from llmopt.quant.layerwise import MethodOptions, checkpoint_tensors
+from llmopt.quant.memory_plan import check_fits, quantize_plan
 from llmopt.quant.quantizer import QuantScheme
-from llmopt.core.threads import one_thread
+from llmopt.quant.streaming import TensorCollector, output_plan, stream_quantize
 
 log = logging.getLogger("llmopt")
 
@@ -71,6 +78,11 @@ class QuantizeRequest:
     quantize_lm_head: bool = option(False, "Quantize the output projection too.", names=("--quantize-lm-head",))
     overwrite: bool = option(False, "Replace OUTPUT if it exists.", names=("--overwrite",), recipe=None)
     device: str = option("cpu", "cpu, cuda or cuda:N")
+    dtype: str = option("float32", "Compute dtype of the calibration forward: float32, bfloat16 or float16 "
+                        "(bfloat16 halves the layer and activation memory; float32 follows the model's math exactly).",
+                        choices=tuple(DTYPES))
+    max_shard_size: str = option(DEFAULT_MAX_SHARD_SIZE, "Largest safetensors file (e.g. 5GB, 500MB): a larger "
+                                 "checkpoint is split into shards with model.safetensors.index.json, as transformers does.")
 
     def resolved_format(self) -> str:
         return self.format or DEFAULT_FORMAT[self.method]
@@ -97,6 +109,8 @@ class QuantizeReport:
     size_before_bytes: int
     size_after_bytes: int
     layers: list[dict[str, Any]] = field(default_factory=list)
+    layer_seconds: list[float] = field(default_factory=list)  # wall time of each decoder layer, in order
+    memory_plan: dict[str, Any] = field(default_factory=dict)  # the RAM estimated before the run (memory_plan.py)
     mean_relative_error: float | None = None
     source: str = ""
     llmopt_version: str = __version__
@@ -138,13 +152,16 @@ def validate(req: QuantizeRequest) -> None:
         raise LlmoptError("--desc-act applies to --method gptq only")
     if not 0 < req.damp_percent < 1:
         raise LlmoptError(f"--damp-percent must be in (0, 1), got {req.damp_percent}")
+    if req.dtype not in DTYPES:
+        raise LlmoptError(f"unknown --dtype {req.dtype!r}; choose one of: {', '.join(DTYPES)}")
+    parse_shard_size(req.max_shard_size)
     check_output(req.output, req.overwrite)  # new or llmopt's own, and writable: found out before the work
 
 
-def check_shapes(model, group_size: int, quantize_lm_head: bool) -> None:
+def check_shapes(config: ModelConfig, group_size: int, quantize_lm_head: bool) -> None:
     """Every quantized layer's input size must split into whole groups (say which sizes would
     work), and int4 packing needs sizes divisible by 8."""
-    cfg = model.config
+    cfg = config
     if quantize_lm_head and cfg.vocab_size % 8:
         raise LlmoptError(f"--quantize-lm-head: the vocabulary size {cfg.vocab_size} is not a multiple of 8, "
                           "which int4 packing needs; leave the output projection unquantized")
@@ -162,6 +179,8 @@ def check_shapes(model, group_size: int, quantize_lm_head: bool) -> None:
 
 
 def quantize(req: QuantizeRequest, on_layer: Callable[[int, int], None] | None = None) -> QuantizeReport:
+    """Quantize layer by layer from the checkpoint on disk (`streaming.py`): one decoder layer
+    in memory at a time, after a memory plan that refuses early what cannot fit."""
     start = time.perf_counter()
     validate(req)
     source = resolve(req.model)
@@ -169,45 +188,65 @@ def quantize(req: QuantizeRequest, on_layer: Callable[[int, int], None] | None =
                                             or source.kind == "gguf"):
         what = source.quantization.details.get("file_type") or source.quantization.method.upper()
         raise LlmoptError(f"{req.model} is already quantized ({what}); quantize from an unquantized model")
-    loaded = load(source, dtype="float32", device=req.device, int4_kernels=False)  # the passes rewrite dense weights
-    fmt, scheme = req.resolved_format(), req.scheme()
-    calib_info, calib_seconds, sites = None, 0.0, []
-    t_quant = time.perf_counter()
+    config, fmt, scheme = source.config, req.resolved_format(), req.scheme()
+    dtype, device = DTYPES[req.dtype], _device(req.device)
     if req.method != "gguf":
-        check_shapes(loaded.model, req.group_size, req.quantize_lm_head)
-        input_ids = None
-        if req.method != "rtn":
-            t0 = time.perf_counter()
-            calib = load_calibration(req.calib, loaded, req.num_samples, req.seq_len, req.seed)
-            calib_seconds = time.perf_counter() - t0
-            calib_info = {"source": calib.source, "num_samples": req.num_samples, "seq_len": req.seq_len,
-                          "documents": calib.num_documents, "tokens_available": calib.num_tokens_available}
-            input_ids = calib.input_ids.to(loaded.device)
-        t_quant = time.perf_counter()
-        options = MethodOptions(method=req.method, scheme=scheme, desc_act=req.resolved_desc_act(), damp_percent=req.damp_percent,
-                                keep_unrounded=fmt == "gguf")
-        sites = quantize_layers(loaded.model, input_ids, options, req.quantize_lm_head, on_layer)
-    quant_seconds = time.perf_counter() - t_quant
+        check_shapes(config, req.group_size, req.quantize_lm_head)
+    calibrated = req.method in ("awq", "gptq")
+    reader = CheckpointReader.from_folder(source.path)  # headers only: a bad file fails here, in milliseconds
+    tokenizer = load_tokenizer(source)
+    tokenizer.extra_eos_token_ids = sorted(set(tokenizer.extra_eos_token_ids) | set(config.eos_token_ids))
+    calib, calib_seconds, t0 = None, 0.0, time.perf_counter()
+    if calibrated and req.calib != "self":  # text: tokenized before the plan, so a bad file fails first
+        calib = load_calibration(req.calib, TextModel(config=config, tokenizer=tokenizer),
+                                 req.num_samples, req.seq_len, req.seed)
+    calib_seconds = time.perf_counter() - t0
+    self_hint = ", or pass a calibration text with --calib (--calib self loads the whole model)"
+    memory = check_fits(
+        quantize_plan(config, req.method, fmt, req.num_samples, req.seq_len, dtype,
+                      calib_self=req.calib == "self", quantize_lm_head=req.quantize_lm_head),
+        f"quantize --method {req.method}",
+        "lower --num-samples/--seq-len or use --dtype bfloat16" + (self_hint if calibrated and req.calib == "self" else ""))
+    if calibrated and calib is None:
+        t0 = time.perf_counter()
+        calib = _self_calibration(req, source)
+        calib_seconds = time.perf_counter() - t0
+    calib_info, input_ids = None, None
+    if calib is not None:
+        calib_info = {"source": calib.source, "num_samples": req.num_samples, "seq_len": req.seq_len,
+                      "documents": calib.num_documents, "tokens_available": calib.num_tokens_available}
+        input_ids = calib.input_ids.to(device)
 
+    t_quant = time.perf_counter()
+    options = None if req.method == "gguf" else MethodOptions(
+        method=req.method, scheme=scheme, desc_act=req.resolved_desc_act(), damp_percent=req.damp_percent,
+        keep_unrounded=fmt == "gguf")
+    plan = output_plan(config, fmt, options, req.quantize_lm_head)
+    untied = req.quantize_lm_head and options is not None and config.tie_word_embeddings
+    stream = dict(quantize_lm_head=req.quantize_lm_head, dtype=dtype, device=device, on_layer=on_layer)
     if fmt == "gguf":
         from llmopt.quant.gguf_export import write_gguf
 
-        for site in sites:  # AWQ-scaled weights go to GGUF unrounded: its own types do the rounding
-            loaded.model.get_submodule(site.name).weight.copy_(site.unrounded)
-        tensors = {k: v.float() for k, v in hf_state_dict(loaded.model).items()}
-        write_gguf(req.output, _output_config(source.raw_config, loaded.model, None), tensors, loaded.tokenizer,
+        collected = TensorCollector(plan)  # the GGUF writer takes every tensor at once
+        streamed = stream_quantize(reader, config, input_ids, options, fmt, collected, **stream)
+        quant_seconds = time.perf_counter() - t_quant
+        write_gguf(req.output, _output_config(source.raw_config, None, untied), collected.tensors, tokenizer,
                    req.gguf_type, overwrite=req.overwrite, metadata={"llmopt.method": req.method})
+        del collected
         size_after = req.output.stat().st_size
     else:
-        with one_thread():  # packing is integer shuffling over every weight: see threads.py
-            tensors = quantized_state_dict(loaded.model, sites, fmt)
         qconfig = quantization_config(fmt, scheme, req.resolved_desc_act(), lm_head=req.quantize_lm_head,
                                       damp_percent=req.damp_percent)
-        config = _output_config(source.raw_config, loaded.model, qconfig)
-        write_hf_folder(req.output, config, tensors, loaded.tokenizer,
-                        {"quantized_from": source.origin or str(source.path), "method": req.method}, overwrite=req.overwrite)
+        with atomic_dir(req.output, overwrite=req.overwrite) as tmp:
+            writer = SafetensorsShardWriter(tmp, plan, req.max_shard_size)
+            streamed = stream_quantize(reader, config, input_ids, options, fmt, writer, **stream)
+            writer.close()
+            write_hf_files(tmp, _output_config(source.raw_config, qconfig, untied), tokenizer,
+                           {"quantized_from": source.origin or str(source.path), "method": req.method})
+        quant_seconds = time.perf_counter() - t_quant
         size_after = sum(f.stat().st_size for f in req.output.glob("*.safetensors"))
 
+    sites = streamed.sites
     errors = [s.relative_error for s in sites if s.relative_error is not None]
     report = QuantizeReport(
         output=str(req.output), method=req.method, format=fmt,
@@ -215,12 +254,13 @@ def quantize(req: QuantizeRequest, on_layer: Callable[[int, int], None] | None =
                     "sym": scheme.sym if fmt != "gguf" else None, "desc_act": req.resolved_desc_act(),
                     "damp_percent": req.damp_percent if req.method == "gptq" else None,
                     "gguf_type": req.gguf_type if fmt == "gguf" else None, "quantize_lm_head": req.quantize_lm_head,
-                    "device": req.device},
+                    "device": req.device, "dtype": req.dtype},
         calibration=calib_info, seed=req.seed, wall_seconds=round(time.perf_counter() - start, 3),
         calibration_seconds=round(calib_seconds, 3), quantize_seconds=round(quant_seconds, 3),
         peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         size_before_bytes=_source_size(source), size_after_bytes=size_after,
         layers=[{"name": s.name, "relative_error": s.relative_error, **s.details} for s in sites],
+        layer_seconds=streamed.layer_seconds, memory_plan=memory.to_dict(),
         mean_relative_error=sum(errors) / len(errors) if errors else None,
         source=source.origin or str(source.path),
     )
@@ -230,53 +270,40 @@ def quantize(req: QuantizeRequest, on_layer: Callable[[int, int], None] | None =
     return report
 
 
+def _self_calibration(req: QuantizeRequest, source) -> CalibrationData:
+    """`--calib self`: the model writes its calibration text, so it is loaded whole for that
+    (and freed before the layers stream)."""
+    loaded = load(source, dtype="float32", device=req.device, int4_kernels=False)
+    try:
+        return load_calibration("self", loaded, req.num_samples, req.seq_len, req.seed)
+    finally:
+        del loaded
+        gc.collect()
+        release_freed_memory()
+
+
+def _device(name: str) -> torch.device:
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise LlmoptError(f"unknown device {name!r}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise LlmoptError("device 'cuda' requested but CUDA is not available on this machine")
+    return device
+
+
 def hf_state_dict(model) -> dict[str, torch.Tensor]:
     """Our decoder's weights under checkpoint names: fused q/k/v and gate/up split back apart."""
-    state = {}
-    for name, tensor in model.state_dict().items():
-        site, _, kind = name.rpartition(".")
-        rows = part_rows(model, site)
-        if rows:
-            parent = site.rsplit(".", 1)[0]
-            for part, sl in rows.items():
-                state[f"{parent}.{part}.{kind}"] = tensor[sl]
-        else:
-            state[name] = tensor
+    state = checkpoint_tensors(model.config, model)
     if model.config.tie_word_embeddings and model.lm_head.weight is model.model.embed_tokens.weight:
         state.pop("lm_head.weight", None)
     return state
 
 
-def quantized_state_dict(model, sites: list[QuantizedSite], fmt: str) -> dict[str, torch.Tensor]:
-    """Packed int4 tensors for the quantized projections, fp16 for everything else."""
-    quantized = {s.name for s in sites}
-    tensors = {name: t.half() for name, t in hf_state_dict(model).items()
-               if not (name.endswith(".weight") and _site_of(name, model) in quantized)}
-    for site in sites:
-        rows = part_rows(model, site.name)
-        parent = site.name.rsplit(".", 1)[0]
-        parts = {f"{parent}.{part}": sl for part, sl in rows.items()} if rows else {site.name: slice(None)}
-        for prefix, sl in parts.items():
-            q = site.weight
-            part = type(q)(codes=q.codes[sl], scales=q.scales[sl], zeros=q.zeros[sl], g_idx=q.g_idx, scheme=q.scheme)
-            tensors.update(pack_tensors(fmt, prefix, part))
-    return tensors
-
-
-def _site_of(hf_weight_name: str, model) -> str:
-    """model.layers.0.self_attn.q_proj.weight -> model.layers.0.self_attn.qkv_proj (our fused module)."""
-    prefix = hf_weight_name[: -len(".weight")]
-    for fused, parts in STACKED_PROJECTIONS.items():
-        for part in parts:
-            if prefix.endswith(f".{part}"):
-                return prefix[: -len(part)] + fused
-    return prefix
-
-
-def _output_config(raw: dict[str, Any], model, qconfig: dict[str, Any] | None) -> dict[str, Any]:
+def _output_config(raw: dict[str, Any], qconfig: dict[str, Any] | None, untied: bool) -> dict[str, Any]:
     config = {k: v for k, v in raw.items() if k != "quantization_config"}
     config["torch_dtype"] = "float16" if qconfig else "float32"
-    if model.config.tie_word_embeddings and model.lm_head.weight is not model.model.embed_tokens.weight:
+    if untied:
         config["tie_word_embeddings"] = False  # --quantize-lm-head unties the output projection
     if qconfig:
         config["quantization_config"] = qconfig

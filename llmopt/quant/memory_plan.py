@@ -1,0 +1,123 @@
+"""The RAM a quantize run will need, from the config alone, against what the machine has:
+stated before any weight is read, and a refusal (exit 2, one line with both numbers) when it
+cannot fit, instead of the kernel's OOM killer an hour in.
+
+The estimate follows what is resident at the peak of the streaming path (`streaming.py`):
+one decoder layer in the compute dtype and the quantizer's copies of its largest weight;
+the calibration activations (the residual stream, the MLP's intermediates and the
+quantizer's float32 copy of a linear's input, all [samples x seq_len, width]); a chunk of
+the embedding table; and the interpreter with torch loaded. `--calib self` needs the whole
+model in float32 first (it generates its own calibration text, then frees it), GGUF export
+the whole model's float32 tensors (its writer takes them all at once). It is an estimate: 15%
+headroom is added, and LLMOPT_MEMORY_CHECK=0 skips the refusal.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from llmopt.core.config import ModelConfig
+from llmopt.errors import LlmoptError
+
+log = logging.getLogger("llmopt")
+
+BASELINE_BYTES = 600 * 2**20  # python + torch + llmopt imported, measured ~450 MB on CPU
+HEADROOM = 1.15
+GIB = 2**30
+
+
+@dataclass
+class MemoryPlan:
+    """Bytes a run needs, by part, and what the machine has free."""
+
+    parts: dict[str, int] = field(default_factory=dict)
+    available: int | None = None
+
+    @property
+    def needed(self) -> int:
+        return int(sum(self.parts.values()) * HEADROOM)
+
+    def describe(self) -> str:
+        biggest = sorted(self.parts.items(), key=lambda kv: -kv[1])[:3]
+        shown = ", ".join(f"{name} {size / GIB:.1f}" for name, size in biggest)
+        have = "unknown" if self.available is None else f"{self.available / GIB:.1f} GiB"
+        return f"needs about {self.needed / GIB:.1f} GiB (GiB: {shown}); available: {have}"
+
+    def to_dict(self) -> dict:
+        return {"needed_bytes": self.needed, "available_bytes": self.available, "parts": dict(self.parts)}
+
+
+def parameter_count(config: ModelConfig) -> int:
+    h, i = config.hidden_size, config.intermediate_size
+    q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
+    layer = h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h
+    head = 0 if config.tie_word_embeddings else config.vocab_size * h
+    return config.vocab_size * h + config.num_hidden_layers * layer + h + head
+
+
+def quantize_plan(config: ModelConfig, method: str, fmt: str, num_samples: int, seq_len: int,
+                  dtype: torch.dtype, calib_self: bool, quantize_lm_head: bool) -> MemoryPlan:
+    """What `llmopt quantize` holds at its peak (see the module docstring)."""
+    h, i = config.hidden_size, config.intermediate_size
+    q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
+    b = dtype.itemsize
+    layer = h * (q + 2 * kv) + q * h + 3 * h * i
+    largest = max(h * (q + 2 * kv), q * h, 2 * i * h)
+    parts = {"interpreter": BASELINE_BYTES, "layer": layer * b + 3 * largest * 4,
+             "embedding chunk": 8192 * h * 8}
+    calibrated = method in ("awq", "gptq")
+    if calibrated:
+        tokens = num_samples * seq_len
+        # residual + normed input (h), gate_up out (2i) and its product (i) in the compute
+        # dtype; the quantizer's float32 input copy and AWQ's scaled one (i, down_proj's input)
+        parts["activations"] = tokens * ((2 * h + 3 * i) * b + 2 * i * 4)
+        parts["attention"] = tokens * (q + 2 * kv) * b * 2
+    if quantize_lm_head and method != "gguf":
+        parts["lm_head"] = config.vocab_size * h * (b + 3 * 4)
+    params = parameter_count(config)
+    if calibrated and calib_self and params * 4 > sum(parts.values()) - BASELINE_BYTES:
+        # the model is loaded whole to write the calibration text, and freed before the layers
+        # stream: the peak is whichever phase is larger
+        parts = {"interpreter": BASELINE_BYTES, "model for --calib self": params * 4}
+    if fmt == "gguf":
+        parts["GGUF tensors"] = params * 4 * 2  # float32 tensors + the writer's quantized copies
+    return MemoryPlan(parts=parts)
+
+
+def available_memory() -> int | None:
+    """Bytes this process can still allocate: MemAvailable, lowered by the cgroup's limit
+    (containers, CI runners) where one is set; None where neither can be read."""
+    candidates = []
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                candidates.append(int(line.split()[1]) * 1024)
+    except (OSError, ValueError, IndexError):
+        pass
+    for limit_file, usage_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        try:
+            limit = Path(limit_file).read_text().strip()
+            usage = int(Path(usage_file).read_text().strip())
+        except (OSError, ValueError):
+            continue
+        if limit.isdigit() and int(limit) < 2**60:  # "max" or a huge number: no limit
+            candidates.append(max(0, int(limit) - usage))
+        break
+    return min(candidates) if candidates else None
+
+
+def check_fits(plan: MemoryPlan, what: str, hint: str) -> MemoryPlan:
+    """Log the plan; refuse (LlmoptError: exit 2) when it needs more than is available."""
+    plan.available = available_memory()
+    if plan.available is not None and plan.needed > plan.available and os.environ.get("LLMOPT_MEMORY_CHECK") != "0":
+        raise LlmoptError(f"{what} {plan.describe()}, so it would be killed for lack of memory; {hint} "
+                          "(LLMOPT_MEMORY_CHECK=0 skips this check)")
+    log.info("%s %s", what, plan.describe())
+    return plan

@@ -1,0 +1,228 @@
+"""Streaming quantization: one decoder layer in memory at a time.
+
+    plan the output tensors (names, dtypes, shapes from the config) -> embeddings (written,
+    and the calibration tokens' rows gathered) -> per layer: read its tensors (pread, no
+    mmap), build the same layer the loader builds, calibrate + quantize it
+    (`layerwise.quantize_decoder_layer`), write its tensors, free it -> final norm -> lm_head
+
+Peak memory is one layer in the compute dtype plus the calibration activations (the
+residual stream [samples x seq_len, hidden] and one layer's intermediates), not the model.
+The layer is built exactly as `loader.build_model` builds it (stacked q/k/v and gate/up,
+the kernel backend's ops for the compute dtype), so the result equals quantizing the fully
+loaded model layer by layer, bit for bit. The linears are not `prepare`d for the backend's
+inference kernels: the quantizer rewrites their weights during the forward, and a
+pre-packed copy (oneDNN, for very wide layers) would go stale.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from llmopt.core.config import ModelConfig
+from llmopt.core.memory import release_freed_memory
+from llmopt.core.quant_formats import pack_tensors, packed_shapes
+from llmopt.core.quantized_weight import QuantizedWeight
+from llmopt.core.threads import one_thread
+from llmopt.core.weights import CheckpointReader, TensorSpec
+from llmopt.errors import LlmoptError
+from llmopt.model.attention import EqualLengthAttention
+from llmopt.model.backends import select_backend
+from llmopt.model.linear import make_linear
+from llmopt.model.llama import MLP, Attention, DecoderLayer, LlamaForCausalLM, RMSNorm, checkpoint_names
+from llmopt.model.rope import RotaryEmbedding
+from llmopt.quant.layerwise import (MethodOptions, QuantizedSite, checkpoint_tensors, part_slice,
+                                    quantize_decoder_layer, quantize_output_layer, site_of, sites_of)
+
+EMBED = "model.embed_tokens.weight"
+ROWS_PER_CHUNK = 8192  # embedding / vocabulary rows read and written at a time
+
+
+class TensorSink(Protocol):
+    """Where output tensors go: a checkpoint writer, or a collector (GGUF export)."""
+
+    def write(self, name: str, tensor: torch.Tensor, row_start: int = 0) -> None: ...
+
+
+class TensorCollector:
+    """A sink that keeps the output tensors in memory (for writers that need them all at once)."""
+
+    def __init__(self, plan: list[TensorSpec]):
+        self.tensors = {spec.name: torch.empty(spec.shape, dtype=spec.dtype) for spec in plan}
+
+    def write(self, name: str, tensor: torch.Tensor, row_start: int = 0) -> None:
+        self.tensors[name][row_start:row_start + tensor.shape[0]] = tensor
+
+
+@dataclass
+class StreamedQuantization:
+    sites: list[QuantizedSite]
+    layer_seconds: list[float] = field(default_factory=list)
+
+
+def output_plan(config: ModelConfig, fmt: str, options: MethodOptions | None, quantize_lm_head: bool) -> list[TensorSpec]:
+    """Every tensor of the output, in model order: packed int4 tensors for the quantized
+    projections (fp16 for the rest) in the AWQ/GPTQ formats; float32 tensors for GGUF (AWQ's
+    scaled weights unrounded: GGUF's types do the rounding)."""
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    quantized = set()
+    if options is not None and fmt != "gguf":
+        quantized = {site for i in range(config.num_hidden_layers) for site in sites_of(f"model.layers.{i}")}
+        if quantize_lm_head:
+            quantized.add("lm_head")
+    dense_dtype = torch.float32 if fmt == "gguf" else torch.float16
+    plan = []
+    for name, tensor in checkpoint_tensors(config, model).items():
+        if name == "lm_head.weight" and config.tie_word_embeddings and not (quantize_lm_head and options):
+            continue  # tied: the embeddings serve as the output projection
+        site = site_of(name)
+        if name.endswith(".weight") and site in quantized:
+            out_features, in_features = tensor.shape
+            scheme = options.scheme
+            plan.extend(TensorSpec(n, dtype, shape) for n, (dtype, shape) in
+                        packed_shapes(fmt, name[: -len(".weight")], out_features, in_features, scheme).items())
+        else:
+            plan.append(TensorSpec(name, dense_dtype, tuple(tensor.shape)))
+    return plan
+
+
+def stream_quantize(reader: CheckpointReader, config: ModelConfig, input_ids: torch.Tensor | None,
+                    options: MethodOptions | None, fmt: str, sink: TensorSink, quantize_lm_head: bool = False,
+                    dtype: torch.dtype = torch.float32, device: torch.device = torch.device("cpu"),
+                    on_layer: Callable[[int, int], None] | None = None) -> StreamedQuantization:
+    """Quantize the checkpoint `reader` reads layer by layer into `sink` (its tensors as
+    `output_plan` lists them). `options` None copies the weights unquantized (GGUF's own
+    types quantize them); `input_ids` [samples, seq_len] calibrate AWQ/GPTQ."""
+    _check_present(reader, config, quantize_lm_head)
+    backend = select_backend(device, dtype)
+    ops = backend.decoder_ops(dtype)
+    dense_dtype = torch.float32 if fmt == "gguf" else torch.float16
+    calibrated = options is not None and options.method != "rtn"
+    x = _embeddings(reader, sink, input_ids if calibrated else None, dtype, device, dense_dtype)
+    cos = sin = attn = None
+    if calibrated:
+        num_seqs, seq_len = input_ids.shape
+        rotary = RotaryEmbedding(config).to(device)
+        cos, sin = rotary(torch.arange(seq_len).repeat(num_seqs).to(device), x.dtype)
+        attn = EqualLengthAttention(num_seqs, seq_len)
+    result = StreamedQuantization(sites=[])
+    total = config.num_hidden_layers
+    for i in range(total):
+        start = time.perf_counter()
+        prefix = f"model.layers.{i}"
+        layer = _read_layer(reader, config, i, dtype, device, ops)
+        sites: list[QuantizedSite] = []
+        if options is not None:
+            x, sites = quantize_decoder_layer(config, layer, i, x, cos, sin, attn, options)
+        _emit(sink, config, layer, prefix, sites, fmt, dense_dtype)
+        result.sites.extend(sites)
+        del layer, sites
+        release_freed_memory()
+        result.layer_seconds.append(round(time.perf_counter() - start, 3))
+        if on_layer:
+            on_layer(i + 1, total)
+    with torch.device("meta"):
+        norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+    norm.load_state_dict({"weight": reader.get("model.norm.weight").to(device=device, dtype=dtype)}, assign=True)
+    norm.ops = ops
+    sink.write("model.norm.weight", norm.weight.to(dense_dtype))
+    head_source = EMBED if config.tie_word_embeddings else "lm_head.weight"
+    if quantize_lm_head and options is not None:
+        with torch.device("meta"):
+            lm_head = make_linear(config.hidden_size, config.vocab_size, bias=False)
+        lm_head.load_state_dict({"weight": reader.get(head_source).to(device=device, dtype=dtype)}, assign=True)
+        site = quantize_output_layer(config, norm, lm_head, x, options)
+        _emit(sink, config, lm_head, "lm_head", [site], fmt, dense_dtype)
+        result.sites.append(site)
+    elif not config.tie_word_embeddings:
+        _copy_rows(reader, head_source, "lm_head.weight", sink, dense_dtype)
+    return result
+
+
+def _check_present(reader: CheckpointReader, config: ModelConfig, quantize_lm_head: bool) -> None:
+    """Every tensor the model needs is in the checkpoint (checked before hours of work)."""
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    needed = {part for name, _ in model.named_parameters() for part in checkpoint_names(name)}
+    if config.tie_word_embeddings:
+        needed.discard("lm_head.weight")
+    missing = sorted(needed - set(reader.entries))
+    if missing:
+        shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+        raise LlmoptError(f"the checkpoint is missing tensor(s) {shown}")
+
+
+def _embeddings(reader: CheckpointReader, sink: TensorSink, input_ids: torch.Tensor | None,
+                dtype: torch.dtype, device: torch.device, dense_dtype: torch.dtype) -> torch.Tensor | None:
+    """Write the embedding table in row chunks; gather the calibration tokens' rows on the way
+    (what `embed_tokens(input_ids)` gives, without the table in memory)."""
+    vocab, hidden = reader.shape(EMBED)
+    ids = None if input_ids is None else input_ids.reshape(-1)
+    x = None if ids is None else torch.empty(ids.numel(), hidden, dtype=dtype, device=device)
+    for start in range(0, vocab, ROWS_PER_CHUNK):
+        rows = reader.get_rows(EMBED, start, start + ROWS_PER_CHUNK)
+        sink.write(EMBED, rows.to(dense_dtype), row_start=start)
+        if ids is not None:
+            hit = (ids >= start) & (ids < start + rows.shape[0])
+            x[hit.to(device)] = rows.to(device=device, dtype=dtype)[(ids[hit] - start).to(device)]
+    return x
+
+
+def _copy_rows(reader: CheckpointReader, source: str, name: str, sink: TensorSink, dense_dtype: torch.dtype) -> None:
+    rows_total = reader.shape(source)[0]
+    for start in range(0, rows_total, ROWS_PER_CHUNK):
+        sink.write(name, reader.get_rows(source, start, start + ROWS_PER_CHUNK).to(dense_dtype), row_start=start)
+
+
+def _read_layer(reader: CheckpointReader, config: ModelConfig, index: int, dtype: torch.dtype,
+                device: torch.device, ops) -> DecoderLayer:
+    """Decoder layer `index` with its checkpoint tensors, as `loader.build_model` builds it."""
+    with torch.device("meta"):
+        layer = DecoderLayer(config, index)
+    prefix = f"model.layers.{index}."
+    state = {}
+    for local, param in layer.named_parameters():
+        parts = checkpoint_names(prefix + local)
+        pieces = [reader.get(part) for part in parts]
+        try:
+            tensor = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
+        except RuntimeError:
+            raise LlmoptError(f"checkpoint tensors do not fit together: "
+                              f"{', '.join(f'{p} {tuple(t.shape)}' for p, t in zip(parts, pieces))}") from None
+        if tensor.shape != param.shape:
+            raise LlmoptError(f"checkpoint tensor {', '.join(parts)} has shape {tuple(tensor.shape)}, "
+                              f"config implies {tuple(param.shape)}")
+        state[local] = tensor.to(device=device, dtype=dtype, copy=len(pieces) == 1)
+        del pieces, tensor
+    layer.load_state_dict(state, strict=True, assign=True)
+    for module in layer.modules():
+        if isinstance(module, (RMSNorm, Attention, MLP)):
+            module.ops = ops
+    return layer.eval()
+
+
+def _emit(sink: TensorSink, config: ModelConfig, module: torch.nn.Module, prefix: str, sites: list[QuantizedSite],
+          fmt: str, dense_dtype: torch.dtype) -> None:
+    """A module's output tensors: packed int4 for its quantized sites (AWQ's unrounded weights
+    for GGUF), the rest in `dense_dtype`; fused projections split back into the checkpoint's."""
+    by_site = {site.name: site for site in sites}
+    for name, tensor in checkpoint_tensors(config, module, prefix).items():
+        site = by_site.get(site_of(name)) if name.endswith(".weight") else None
+        if site is None:
+            sink.write(name, tensor.to(dense_dtype))
+        elif fmt == "gguf":
+            sink.write(name, site.unrounded[part_slice(config, name)].to(dense_dtype))
+        else:
+            q = site.weight
+            rows = part_slice(config, name)
+            part = QuantizedWeight(codes=q.codes[rows], scales=q.scales[rows], zeros=q.zeros[rows], g_idx=q.g_idx,
+                                   scheme=q.scheme)
+            with one_thread():  # packing is integer shuffling: see threads.py
+                packed = pack_tensors(fmt, name[: -len(".weight")], part)
+            for packed_name, packed_tensor in packed.items():
+                sink.write(packed_name, packed_tensor)
