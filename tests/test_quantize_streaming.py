@@ -258,7 +258,7 @@ def test_memory_plan_of_an_8b_model(monkeypatch):
                                "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
                                "num_key_value_heads": 8, "vocab_size": 128256, "max_position_embeddings": 8192,
                                "rms_norm_eps": 1e-5, "tie_word_embeddings": False})
-    assert 7.9e9 < memory_plan.parameter_count(cfg) < 8.1e9
+    assert 7.9e9 < cfg.num_parameters < 8.1e9
     gib = 2**30
     rtn = memory_plan.quantize_plan(cfg, "rtn", "gptq", 64, 256, torch.float32, False, False)
     awq = memory_plan.quantize_plan(cfg, "awq", "awq", 64, 256, torch.float32, False, False)

@@ -1,9 +1,10 @@
-"""Giving freed heap memory back to the operating system."""
+"""Process memory: giving freed heap back to the operating system; how much is still available."""
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+from pathlib import Path
 
 
 def release_freed_memory() -> None:
@@ -18,23 +19,24 @@ def release_freed_memory() -> None:
 
 
 def available_memory_bytes() -> int | None:
-    """Memory this process can still get: the kernel's MemAvailable, capped by the cgroup's
-    limit where one is set (a container or CI job sees the host's meminfo); None if unknown."""
-    available = None
+    """Bytes this process can still allocate: MemAvailable, lowered by the cgroup's limit
+    (containers, CI runners) where one is set; None where neither can be read."""
+    candidates = []
     try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    available = int(line.split()[1]) * 1024
-                    break
-    except (OSError, ValueError):
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                candidates.append(int(line.split()[1]) * 1024)
+    except (OSError, ValueError, IndexError):
         pass
-    try:  # cgroup v2
-        limit = open("/sys/fs/cgroup/memory.max", encoding="ascii").read().strip()
-        used = int(open("/sys/fs/cgroup/memory.current", encoding="ascii").read().strip())
-        if limit != "max":
-            headroom = max(0, int(limit) - used)
-            available = headroom if available is None else min(available, headroom)
-    except (OSError, ValueError):
-        pass
-    return available
+    for limit_file, usage_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        try:
+            limit = Path(limit_file).read_text().strip()
+            usage = int(Path(usage_file).read_text().strip())
+        except (OSError, ValueError):
+            continue
+        if limit.isdigit() and int(limit) < 2**60:  # "max" or a huge number: no limit
+            candidates.append(max(0, int(limit) - usage))
+        break
+    return min(candidates) if candidates else None

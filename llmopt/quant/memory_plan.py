@@ -17,11 +17,11 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
 from llmopt.core.config import ModelConfig
+from llmopt.core.memory import available_memory_bytes as available_memory
 from llmopt.errors import LlmoptError
 
 log = logging.getLogger("llmopt")
@@ -52,14 +52,6 @@ class MemoryPlan:
         return {"needed_bytes": self.needed, "available_bytes": self.available, "parts": dict(self.parts)}
 
 
-def parameter_count(config: ModelConfig) -> int:
-    h, i = config.hidden_size, config.intermediate_size
-    q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
-    layer = h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h
-    head = 0 if config.tie_word_embeddings else config.vocab_size * h
-    return config.vocab_size * h + config.num_hidden_layers * layer + h + head
-
-
 def quantize_plan(config: ModelConfig, method: str, fmt: str, num_samples: int, seq_len: int,
                   dtype: torch.dtype, calib_self: bool, quantize_lm_head: bool) -> MemoryPlan:
     """What `llmopt quantize` holds at its peak (see the module docstring)."""
@@ -79,7 +71,7 @@ def quantize_plan(config: ModelConfig, method: str, fmt: str, num_samples: int, 
         parts["attention"] = tokens * (q + 2 * kv) * b * 2
     if quantize_lm_head and method != "gguf":
         parts["lm_head"] = config.vocab_size * h * (b + 3 * 4)
-    params = parameter_count(config)
+    params = config.num_parameters
     if calibrated and calib_self and params * 4 > sum(parts.values()) - BASELINE_BYTES:
         # the model is loaded whole to write the calibration text, and freed before the layers
         # stream: the peak is whichever phase is larger
@@ -87,30 +79,6 @@ def quantize_plan(config: ModelConfig, method: str, fmt: str, num_samples: int, 
     if fmt == "gguf":
         parts["GGUF tensors"] = params * 4 * 2  # float32 tensors + the writer's quantized copies
     return MemoryPlan(parts=parts)
-
-
-def available_memory() -> int | None:
-    """Bytes this process can still allocate: MemAvailable, lowered by the cgroup's limit
-    (containers, CI runners) where one is set; None where neither can be read."""
-    candidates = []
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                candidates.append(int(line.split()[1]) * 1024)
-    except (OSError, ValueError, IndexError):
-        pass
-    for limit_file, usage_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
-                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
-                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
-        try:
-            limit = Path(limit_file).read_text().strip()
-            usage = int(Path(usage_file).read_text().strip())
-        except (OSError, ValueError):
-            continue
-        if limit.isdigit() and int(limit) < 2**60:  # "max" or a huge number: no limit
-            candidates.append(max(0, int(limit) - usage))
-        break
-    return min(candidates) if candidates else None
 
 
 def check_fits(plan: MemoryPlan, what: str, hint: str) -> MemoryPlan:
