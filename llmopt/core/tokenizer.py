@@ -124,7 +124,9 @@ class Tokenizer:
     def is_chat(self) -> bool:
         return bool(self.chat_template)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> str:
+        """The template's prompt; `tools` (OpenAI function tools) reach templates that describe them."""
         if not self.chat_template:
             raise LlmoptError("this model's tokenizer has no chat template; pass a plain prompt instead")
         try:
@@ -135,6 +137,7 @@ class Tokenizer:
                 eos_token=self.eos_token or "",
                 pad_token=self.pad_token or "",
                 unk_token=self.unk_token or "",
+                tools=tools,
             )
         except _TemplateError as exc:
             raise LlmoptError(f"chat template rejected the messages: {exc}") from None

@@ -44,6 +44,8 @@ class ServeConfig:
     max_queue: int = 256  # waiting requests beyond this get 503 + Retry-After
     max_body_bytes: int = 10 * 1024 * 1024
     log_requests: bool = False
+    tool_call_parser: str | None = None  # a llmopt.serve.tools.FORMATS name; None: from the chat template
+    enable_auto_tool_choice: bool = False  # vLLM's flag: tool_choice "auto" needs it
 
 
 @dataclass
