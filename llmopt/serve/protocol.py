@@ -235,6 +235,8 @@ class ChatCompletionRequest(SamplingRequest):
     # vLLM scores chat prompts too; llmopt only on /v1/completions
     refused: ClassVar[tuple[str, ...]] = (*UNSUPPORTED_FIELDS, "prompt_logprobs", "echo")
     _tool_plan: ToolPlan | None = PrivateAttr(default=None)
+    # how the history's calls are written when no plan says it (no tools, or tool_choice none)
+    _history_format: tuple[Any, bool] = PrivateAttr(default=(None, False))
 
     prompt_field: ClassVar[str] = "messages"
 
@@ -261,6 +263,8 @@ class ChatCompletionRequest(SamplingRequest):
             raise RequestError('"auto" tool choice requires the server to run with --enable-auto-tool-choice '
                                '(tool_choice "required" or a named function works without it)', param="tool_choice")
         self._tool_plan = plan
+        self._history_format = (tool_calls.format_for(parser, chat_template),
+                                tool_calls.template_knows_tools(chat_template))
         return plan
 
     @property
@@ -286,7 +290,7 @@ class ChatCompletionRequest(SamplingRequest):
 
     def tokenized_prompts(self, engine: ServingEngine) -> list[tuple[str | None, list[int]]]:
         plan = self._tool_plan
-        messages = tool_calls.render_history(self.chat_messages(), plan)
+        messages = tool_calls.render_history(self.chat_messages(), plan, *self._history_format)
         tools = [t.model_dump(exclude_none=True) for t in plan.tools] if plan and plan.template_knows_tools else None
         text = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
         return [(text, engine.tokenizer.encode(text, add_special_tokens=False))]

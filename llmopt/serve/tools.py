@@ -198,9 +198,9 @@ def check_schema(f: FunctionDefinition) -> str | None:
         return "must be a JSON schema of type object"
     try:
         grammar = LLMatcher.grammar_from_json_schema(function_schema(f))
-    except ValueError as exc:
-        return str(exc)
-    is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar, None)
+        is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar, None)
+    except Exception as exc:  # llguidance's own refusal of a schema it cannot read: bad input, not a 500
+        return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
     if is_error:
         return messages[0].splitlines()[0] if messages else "rejected by llguidance"
     return None
@@ -228,8 +228,11 @@ def plan(tools: list[ChatTool] | None, tool_choice: ToolChoice | None, parallel:
     if choice not in ("auto", "required") and choice not in names:
         raise LlmoptError(f"tool_choice names the function {choice!r}, which is not in tools "
                           f"({', '.join(names)})", param="tool_choice")
-    knows_tools = bool(chat_template) and "tools" in chat_template
-    return ToolPlan(tools, choice, parallel, format_for(parser, chat_template), knows_tools)
+    return ToolPlan(tools, choice, parallel, format_for(parser, chat_template), template_knows_tools(chat_template))
+
+
+def template_knows_tools(chat_template: str | None) -> bool:
+    return bool(chat_template) and "tools" in chat_template
 
 
 def check_history(messages: list[dict[str, Any]]) -> None:
@@ -327,13 +330,16 @@ def new_call_id() -> str:
 
 
 # ---- the conversation -------------------------------------------------------------------------
-def render_history(messages: list[dict[str, Any]], plan: ToolPlan | None) -> list[dict[str, Any]]:
+def render_history(messages: list[dict[str, Any]], plan: ToolPlan | None, fmt: ToolFormat | None = None,
+                   knows_tools: bool = False) -> list[dict[str, Any]]:
     """Messages for the chat template. A template that knows tools gets OpenAI's shapes (call
     arguments as objects, as Hugging Face templates expect); one that does not gets the calls as
     text in the plan's format, each tool answer as a user turn in `<tool_response>` tags (as
-    Qwen2.5's template writes them) and the functions described in the system prompt."""
-    fmt = plan.format if plan is not None else FORMATS[DEFAULT_FORMAT]
-    knows_tools = plan is not None and plan.template_knows_tools
+    Qwen2.5's template writes them) and the functions described in the system prompt. Without a
+    plan (no tools, or tool_choice none) `fmt` and `knows_tools` say how to write the history."""
+    if plan is not None:
+        fmt, knows_tools = plan.format, plan.template_knows_tools
+    fmt = fmt or FORMATS[DEFAULT_FORMAT]
     out: list[dict[str, Any]] = []
     for m in messages:
         calls = m.get("tool_calls") or []
