@@ -134,7 +134,9 @@ class Tokenizer:
     def is_chat(self) -> bool:
         return bool(self.chat_template)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> str:
+        """The template's prompt; `tools` (OpenAI function tools) reach templates that describe them."""
         if not self.chat_template:
             raise LlmoptError("this model's tokenizer has no chat template; pass a plain prompt instead")
         try:
@@ -145,6 +147,7 @@ class Tokenizer:
                 eos_token=self.eos_token or "",
                 pad_token=self.pad_token or "",
                 unk_token=self.unk_token or "",
+                tools=tools,
             )
         except _TemplateError as exc:
             raise LlmoptError(f"chat template rejected the messages: {exc}") from None
@@ -152,7 +155,8 @@ class Tokenizer:
     def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
         return self.chat_prompt(messages, add_generation_prompt)[1]
 
-    def chat_prompt(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> tuple[str, list[int]]:
+    def chat_prompt(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    tools: list[dict[str, Any]] | None = None) -> tuple[str, list[int]]:
         """The chat template's text and token ids, with message content kept as text.
 
         The template's own special tokens (`<|im_start|>`, ...) become control tokens; the same
@@ -163,7 +167,7 @@ class Tokenizer:
         a private placeholder at each occurrence, and the placeholders are encoded as plain text
         where they land (the template may still trim or split the content around them)."""
         marked, found = _mark_special_text(messages, self._special_text)
-        text = self.apply_chat_template(marked, add_generation_prompt)
+        text = self.apply_chat_template(marked, add_generation_prompt, tools=tools)
         # the template already writes any BOS it wants, as transformers assumes too
         if not found:
             return text, self.encode(text, add_special_tokens=False)

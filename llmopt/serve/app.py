@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP app: `build_app(engine, config)` assembles it.
 
-Routes live in `llmopt.serve.routes` (completions, chat, models + tokenize, health + metrics),
+Routes live in `llmopt.serve.routes` (completions, chat, responses, models + tokenize, health + metrics),
 one APIRouter each; request bodies are the pydantic models of `llmopt.serve.protocol`, so
 /openapi.json documents every body and the error answers. Every refusal is an OpenAI error
 object with a 4xx status (a malformed body too: 400, not FastAPI's 422); a client that
@@ -31,7 +31,7 @@ from llmopt.serve.disconnect import BodyTimeout, BodyTooLarge, read_body, run_un
 from llmopt.serve.metrics import ServerMetrics
 from llmopt.serve.protocol import RequestError, error_body
 from llmopt.serve.request_path import ServeConfig, Serving
-from llmopt.serve.routes import chat, completions, health, models
+from llmopt.serve.routes import chat, completions, health, models, responses
 
 __all__ = ["ServeConfig", "build_app"]
 
@@ -54,7 +54,7 @@ def build_app(engine: ServingEngine, config: ServeConfig) -> FastAPI:
     app.add_exception_handler(RequestValidationError, _on_validation_error)  # type: ignore[arg-type]
     app.add_exception_handler(HTTPException, _on_http_exception)  # type: ignore[arg-type]
     app.add_exception_handler(Exception, _on_server_error)
-    for module in (completions, chat, models, health):
+    for module in (completions, chat, responses, models, health):
         app.include_router(module.router)
     app.openapi = functools.partial(_openapi, app)  # type: ignore[method-assign]
     return app

@@ -16,6 +16,7 @@ from llmopt.options import group, option
 from llmopt.runtime.engine_args import EngineArgs
 
 ENGINES = ("llmopt", "llama.cpp", "vllm")
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")  # llmopt.serve.tools.FORMATS, kept import-light
 log = logging.getLogger("llmopt")
 
 
@@ -46,6 +47,11 @@ class ServeArgs:
     timeout_keep_alive: float = option(5.0, "Seconds an idle keep-alive connection stays open (uvicorn's "
                                        "--timeout-keep-alive).", gt=0)
     log_requests: bool = option(False, "Log prompt contents.", "--log-requests")
+    tool_call_parser: Optional[str] = option(
+        None, "How the model writes tool calls: hermes (also Qwen2.5), llama3_json or mistral (vLLM's names; "
+        "default: from the chat template, hermes for templates without tools).", choices=TOOL_CALL_PARSERS)
+    enable_auto_tool_choice: bool = option(False, "Allow tool_choice \"auto\" (the model decides whether to call; "
+                                           "the call is still held to its schema).", "--enable-auto-tool-choice")
     engine: EngineArgs = group(EngineArgs)
 
     def check(self) -> None:
@@ -59,6 +65,9 @@ class ServeArgs:
                             ("--timeout-keep-alive", self.timeout_keep_alive)):
             if not value > 0:  # NaN too
                 raise LlmoptError(f"{flag} must be positive, got {value}")
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise LlmoptError(f"unknown --tool-call-parser {self.tool_call_parser!r}; available: "
+                              f"{', '.join(TOOL_CALL_PARSERS)}")
         if self.engine_name != "vllm":
             if self.tensor_parallel_size != 1 or self.quantization:
                 raise LlmoptError("--tensor-parallel-size and --quantization apply to --engine vllm only")
@@ -101,7 +110,8 @@ def run_server(args: ServeArgs, announce=print) -> None:
     serve_config = ServeConfig(served_model_name=args.served_model_name or args.model, api_key=api_key,
                                max_queue=args.max_queue, max_prompts_per_request=args.max_prompts_per_request,
                                read_timeout=args.read_timeout, prepare_timeout=args.prepare_timeout,
-                               log_requests=args.log_requests)
+                               log_requests=args.log_requests, tool_call_parser=args.tool_call_parser,
+                               enable_auto_tool_choice=args.enable_auto_tool_choice)
     app = build_app(async_engine, serve_config)
     announce(f"llmopt serve: model {serve_config.served_model_name} ({description}), "
              f"max_model_len {async_engine.max_model_len}, auth {'on' if serve_config.api_key else 'off'}\n"
@@ -139,6 +149,10 @@ def vllm_command(args: ServeArgs, api_key: str | None = None) -> list[str]:
         argv += ["--served-model-name", args.served_model_name]
     if api_key:
         argv += ["--api-key", api_key]
+    if args.tool_call_parser:
+        argv += ["--tool-call-parser", args.tool_call_parser]
+    if args.enable_auto_tool_choice:
+        argv += ["--enable-auto-tool-choice"]
     speculative = e.speculative_flags()
     if speculative:  # vLLM's own --speculative-config; it has no vocabulary check to override
         speculative.pop("allow_mismatch", None)

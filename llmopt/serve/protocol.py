@@ -9,12 +9,14 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Literal, Union, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StrictBool, StrictFloat, StrictInt, field_validator
 
 from llmopt.errors import LlmoptError
 from llmopt.runtime import SamplingParams
 from llmopt.runtime.engine_protocol import ServingEngine
 from llmopt.runtime.structured_outputs import StructuredOutputsParams
+from llmopt.serve import tools as tool_calls
+from llmopt.serve.tools import ChatTool, ToolCall, ToolChoice, ToolPlan
 
 MAX_N = 8
 # OpenAI's own limit on a chat request's messages
@@ -196,6 +198,8 @@ class ChatMessage(BaseModel):
 
     role: Role
     content: Union[str, list[TextContentPart], None] = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # the call a tool message answers
 
     @field_validator("role", mode="before")  # before the Literal's own check: our message names the role
     @classmethod
@@ -236,17 +240,71 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = Field(default=None, ge=0, le=20)
+    tools: list[ChatTool] | None = None
+    tool_choice: ToolChoice | None = None  # OpenAI's default: "auto" with tools, "none" without
+    parallel_tool_calls: StrictBool = True
     # vLLM scores chat prompts too; llmopt only on /v1/completions
     refused: ClassVar[tuple[str, ...]] = (*UNSUPPORTED_FIELDS, "prompt_logprobs", "echo")
+    _tool_plan: ToolPlan | None = PrivateAttr(default=None)
+    # how the history's calls are written when no plan says it (no tools, or tool_choice none)
+    _history_format: tuple[Any, bool] = PrivateAttr(default=(None, False))
 
     prompt_field: ClassVar[str] = "messages"
 
-    def chat_messages(self) -> list[dict[str, str]]:
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+    def chat_messages(self) -> list[dict[str, Any]]:
+        messages: list[dict[str, Any]] = []
+        for m in self.messages:
+            message: dict[str, Any] = {"role": m.role, "content": m.text()}
+            if m.tool_calls:
+                message["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+            if m.role == "tool":
+                message["tool_call_id"] = m.tool_call_id
+            messages.append(message)
+        return messages
+
+    def plan_tools(self, parser: str | None, chat_template: str | None, auto_allowed: bool = True) -> ToolPlan | None:
+        """Check `tools`, `tool_choice` and the calls in the history (RequestError naming the field)
+        and keep the plan the prompt and the output constraint follow."""
+        try:
+            tool_calls.check_history(self.chat_messages())
+            plan = tool_calls.plan(self.tools, self.tool_choice, self.parallel_tool_calls, parser, chat_template)
+        except LlmoptError as exc:
+            raise RequestError(str(exc), param=exc.param) from None
+        if plan is not None and plan.choice == "auto" and not auto_allowed:
+            raise RequestError('"auto" tool choice requires the server to run with --enable-auto-tool-choice '
+                               '(tool_choice "required" or a named function works without it)', param="tool_choice")
+        self._tool_plan = plan
+        self._history_format = (tool_calls.format_for(parser, chat_template),
+                                tool_calls.template_knows_tools(chat_template))
+        return plan
+
+    @property
+    def tool_plan(self) -> ToolPlan | None:
+        return self._tool_plan
+
+    def param(self, engine_field: str | None) -> str | None:
+        if engine_field == "structured_outputs" and self._tool_plan is not None:
+            return "tools"
+        return super().param(engine_field)
+
+    def structured(self) -> StructuredOutputsParams | None:
+        plan = self._tool_plan
+        if plan is None:
+            return super().structured()
+        if plan.forced and (self.response_format or {}).get("type", "text") != "text":
+            raise RequestError("a required or named tool_choice cannot be combined with response_format",
+                               param="response_format")
+        if self.structured_outputs is not None:
+            raise RequestError("tools cannot be combined with structured_outputs", param="structured_outputs")
+        # with auto the answer is free text or calls; response_format would forbid the calls
+        return StructuredOutputsParams(grammar=plan.grammar())
 
     def tokenized_prompts(self, engine: ServingEngine) -> list[tuple[str | None, list[int]]]:
         # message content stays text: special-token text in it is not read as a control token
-        return [engine.tokenizer.chat_prompt(self.chat_messages(), add_generation_prompt=True)]
+        plan = self._tool_plan
+        messages = tool_calls.render_history(self.chat_messages(), plan, *self._history_format)
+        tools = [t.model_dump(exclude_none=True) for t in plan.tools] if plan and plan.template_knows_tools else None
+        return [engine.tokenizer.chat_prompt(messages, add_generation_prompt=True, tools=tools)]
 
     @property
     def max_tokens_wanted(self) -> int | None:

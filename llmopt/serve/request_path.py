@@ -49,6 +49,8 @@ class ServeConfig:
     read_timeout: float = 30.0  # seconds for a request's body to arrive (its headers: launch.py)
     prepare_timeout: float = 10.0  # seconds to tokenize a request and compile its output constraint
     log_requests: bool = False
+    tool_call_parser: str | None = None  # a llmopt.serve.tools.FORMATS name; None: from the chat template
+    enable_auto_tool_choice: bool = False  # vLLM's flag: tool_choice "auto" needs it
 
 
 @dataclass
