@@ -32,7 +32,7 @@ async def responses(body: ResponsesRequest, serving: ServingDep) -> dict[str, An
     chat = body.chat_request()
     config = serving.config
     chat.plan_tools(config.tool_call_parser, serving.tokenizer.chat_template, config.enable_auto_tool_choice)
-    checked = serving.check(chat)
+    checked = await serving.prepare(chat)
     serving.start(checked)
     answer = ResponseWriter(serving, body, chat, checked)
     if body.stream:
