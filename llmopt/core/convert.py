@@ -15,9 +15,9 @@ import torch
 
 from llmopt import __version__
 from llmopt.core.atomic import atomic_dir
-from llmopt.core.gguf_file import read_gguf
+from llmopt.core.gguf_file import read_gguf, read_gguf_tokenizer
 from llmopt.core.tokenizer import Tokenizer
-from llmopt.core.weights import INDEX_FILE, save_safetensors
+from llmopt.core.weights import INDEX_FILE, open_weights, save_safetensors
 from llmopt.errors import LlmoptError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -70,8 +70,6 @@ def convert_source(source, out: Path, dtype: str = "float32", overwrite: bool = 
     if source.quantization is not None and source.quantization.method in ("awq", "gptq"):
         raise LlmoptError(f"{source.spec} is already {source.quantization.method.upper()}-quantized; converting it is not supported")
     torch_dtype = DTYPES[dtype]
-    from llmopt.core.source import open_weights
-
     reader = open_weights(source)
     tensors = {name: reader.get(name).to(torch_dtype) for name in reader}
     config = {**source.raw_config, "torch_dtype": dtype}
@@ -88,7 +86,6 @@ def write_dummy_folder(source, out: Path, dtype: str = "bfloat16", overwrite: bo
     """A Hugging Face folder of random weights of `source`'s shape (`core.dummy.DummyWeights`),
     with `source`'s tokenizer, sharded with an index as transformers writes one."""
     from llmopt.core.dummy import DummyWeights
-    from llmopt.core.source import load_tokenizer
 
     torch_dtype = DTYPES[dtype]
     raw = {k: v for k, v in source.raw_config.items() if k != "quantization_config"}
@@ -98,7 +95,8 @@ def write_dummy_folder(source, out: Path, dtype: str = "bfloat16", overwrite: bo
         (tmp / "config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
         generation = {"bos_token_id": config.get("bos_token_id"), "eos_token_id": config.get("eos_token_id")}
         (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2), encoding="utf-8")
-        load_tokenizer(source).save(tmp)
+        tokenizer = read_gguf_tokenizer(source.path) if source.kind == "gguf" else Tokenizer.from_dir(source.path)
+        tokenizer.save(tmp)
         shards: list[list[str]] = [[]]
         size = 0
         for name, shape in weights.shapes.items():

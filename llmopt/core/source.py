@@ -86,18 +86,6 @@ def resolve_gguf(spec: str) -> ModelSource | None:
     return source if source.kind == "gguf" else None
 
 
-def open_weights(source: ModelSource):
-    """The checkpoint tensors of a Hugging Face folder source, read one at a time."""
-    from llmopt.core.weights import CheckpointReader
-
-    if source.kind == "architecture":
-        raise LlmoptError(f"{source.spec} is a shipped architecture (a config without weights): pass "
-                          "--load-format dummy for random weights of its shape, or a checkpoint")
-    if source.kind == "gguf":
-        raise LlmoptError(f"{source.spec} is a GGUF file, not a safetensors checkpoint")
-    return CheckpointReader.from_folder(source.path)
-
-
 def _architecture_source(spec: str) -> ModelSource:
     """A shipped architecture (`core.architectures`) with the default model's tokenizer and its
     vocabulary, so that random weights of the architecture's shape run end to end."""

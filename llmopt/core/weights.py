@@ -314,3 +314,13 @@ class SafetensorsShardWriter:
             index = {"metadata": {"total_size": self.total_size}, "weight_map": self.weight_map}
             (self.folder / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n", encoding="utf-8")
         return self.files
+
+
+def open_weights(source) -> "CheckpointReader":
+    """The checkpoint tensors of a `ModelSource` (a Hugging Face folder), read one at a time."""
+    if source.kind == "architecture":
+        raise LlmoptError(f"{source.spec} is a shipped architecture (a config without weights): pass "
+                          "--load-format dummy for random weights of its shape, or a checkpoint")
+    if source.kind == "gguf":
+        raise LlmoptError(f"{source.spec} is a GGUF file, not a safetensors checkpoint")
+    return CheckpointReader.from_folder(source.path)

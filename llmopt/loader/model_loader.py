@@ -11,7 +11,8 @@ from llmopt.core.config import ModelConfig
 from llmopt.core.convert import DTYPES
 from llmopt.core.dummy import DummyWeights
 from llmopt.core.memory import available_memory_bytes
-from llmopt.core.source import LOAD_FORMATS, ModelSource, QuantizationInfo, load_tokenizer, open_weights, resolve
+from llmopt.core.weights import open_weights
+from llmopt.core.source import LOAD_FORMATS, ModelSource, QuantizationInfo, load_tokenizer, resolve
 from llmopt.core.tokenizer import Tokenizer
 from llmopt.errors import LlmoptError
 from llmopt.loader.build import build_model
