@@ -22,6 +22,7 @@ reference the tests compare the kernels against.
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import logging
@@ -87,8 +88,15 @@ def cpu_ops() -> ModuleType | None:
         folder.mkdir(parents=True, exist_ok=True)
         if not any(folder.glob("*.so")):
             log.info("building llmopt's CPU kernels (once per machine, ~50 s) in %s", folder)
-        return load(name="llmopt_cpu_ops", sources=[str(s) for s in SOURCES], extra_cflags=CFLAGS,
-                    extra_ldflags=["-fopenmp"], build_directory=str(folder), verbose=False)
+        # torch's own build lock is a plain file: a process killed while holding it (a server
+        # stopped during start-up) leaves it behind and every later process waits on it forever.
+        # An flock is released by the kernel when its holder dies; holding it, no live llmopt
+        # process can be inside torch's lock, so a leftover one is stale and removed.
+        with open(folder / "llmopt-build.flock", "w") as guard:
+            fcntl.flock(guard, fcntl.LOCK_EX)
+            (folder / "lock").unlink(missing_ok=True)
+            return load(name="llmopt_cpu_ops", sources=[str(s) for s in SOURCES], extra_cflags=CFLAGS,
+                        extra_ldflags=["-fopenmp"], build_directory=str(folder), verbose=False)
     except Exception as exc:  # no compiler, no ninja, a build error: the PyTorch paths still work
         log.warning("llmopt's CPU kernels unavailable (%s); using the PyTorch paths",
                     str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
