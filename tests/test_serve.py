@@ -149,7 +149,9 @@ def test_async_client_streaming_completions(server):
         ({"messages": MESSAGES, "max_tokens": "ten"}, 400, "max_tokens"),
         ({"messages": MESSAGES, "model": "gpt-4"}, 404, "does not exist"),
         # known fields llmopt cannot honour are refused, named, rather than dropped
-        ({"messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+        # tools are served; `auto` needs --enable-auto-tool-choice, as in vLLM
+        ({"messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto"},
+         400, "--enable-auto-tool-choice"),
         ({"messages": MESSAGES, "logit_bias": {"5": 10}}, 400, "logit_bias"),
         ({"messages": MESSAGES, "prompt_logprobs": 1}, 400, "prompt_logprobs"),
         ({"prompt": "the", "suffix": "end"}, 400, "suffix"),
