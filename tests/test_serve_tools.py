@@ -54,7 +54,7 @@ def test_named_and_required_calls_always_parse(client):
     """20 samples at temperature 1: every one a call whose arguments validate against the schema."""
     named = client.chat.completions.create(
         model="default", messages=ASK, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_time"}},
-        n=8, seed=1, temperature=1.0, max_tokens=MAX_TOKENS).choices
+        parallel_tool_calls=False, n=8, seed=1, temperature=1.0, max_tokens=MAX_TOKENS).choices
     required = [choice for seed, n in ((2, 8), (3, 4)) for choice in client.chat.completions.create(
         model="default", messages=ASK, tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
         n=n, seed=seed, temperature=1.0, max_tokens=MAX_TOKENS).choices]
