@@ -74,6 +74,20 @@ def _cache_root() -> Path:
     return Path(os.environ.get("LLMOPT_CACHE") or Path.home() / ".cache" / "llmopt")
 
 
+def _sources_in(folder: Path) -> list[Path]:
+    """The sources, copied into the build folder (under its flock): ninja's build file names
+    source paths, so two checkouts of the same code (a venv and a clone, git worktrees) building
+    from their own paths would rebuild everything in turn; the folder's digest already pins the
+    content, so one copy serves them all."""
+    src = folder / "src"
+    if not src.is_dir():
+        staging = folder / f"src.tmp{os.getpid()}"
+        shutil.rmtree(staging, ignore_errors=True)
+        shutil.copytree(CSRC, staging)
+        staging.rename(src)
+    return [src / path.name for path in SOURCES]
+
+
 @functools.cache
 def cpu_ops() -> ModuleType | None:
     """The compiled kernels module (built or loaded once per process), or None where it cannot
@@ -95,7 +109,8 @@ def cpu_ops() -> ModuleType | None:
         with open(folder / "llmopt-build.flock", "w") as guard:
             fcntl.flock(guard, fcntl.LOCK_EX)
             (folder / "lock").unlink(missing_ok=True)
-            return load(name="llmopt_cpu_ops", sources=[str(s) for s in SOURCES], extra_cflags=CFLAGS,
+            sources = _sources_in(folder)
+            return load(name="llmopt_cpu_ops", sources=[str(s) for s in sources], extra_cflags=CFLAGS,
                         extra_ldflags=["-fopenmp"], build_directory=str(folder), verbose=False)
     except Exception as exc:  # no compiler, no ninja, a build error: the PyTorch paths still work
         log.warning("llmopt's CPU kernels unavailable (%s); using the PyTorch paths",

@@ -20,3 +20,20 @@ def test_kernels_load_past_a_stale_torch_build_lock():
                           text=True)
     assert done.returncode == 0, done.stderr[-2000:]
     assert not lock.exists()
+
+
+def test_kernels_build_from_one_copy_of_the_sources(tmp_path, monkeypatch):
+    """Checkouts with the same sources (worktrees, a clone beside a venv) share one build: the
+    build compiles a copy inside the digest's folder, whose path does not depend on the checkout."""
+    from llmopt.kernels import cpu_extension
+
+    first = cpu_extension._sources_in(tmp_path)
+    assert [p.parent for p in first] == [tmp_path / "src"] * len(cpu_extension.SOURCES)
+    assert all(p.read_bytes() == s.read_bytes() for p, s in zip(first, cpu_extension.SOURCES))
+    other = tmp_path / "other-checkout"
+    other.mkdir()
+    for source in cpu_extension.CSRC.iterdir():
+        (other / source.name).write_bytes(source.read_bytes())
+    monkeypatch.setattr(cpu_extension, "CSRC", other)
+    assert cpu_extension._sources_in(tmp_path) == first  # same paths for another checkout
+    assert not list(tmp_path.glob("src.tmp*"))

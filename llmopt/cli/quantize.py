@@ -31,13 +31,20 @@ def quantize(
                         TextColumn("ETA"), TimeRemainingColumn(), console=err_console, transient=True, disable=json_output or not err_console.is_terminal)
     task = progress.add_task("layers", total=None)
     started = time.perf_counter()
+    layers_started = started  # reset when the first layer begins (model reading and calibration data come first)
 
     def on_layer(done: int, total: int) -> None:
+        nonlocal layers_started
+        if done == 0:
+            layers_started = time.perf_counter()
+            progress.reset(task, total=total)
+            return
         progress.update(task, completed=done, total=total)
         if progress.disable:  # no live bar (a CI log, --json): one stderr line per layer
-            elapsed = time.perf_counter() - started
-            log.info("%s: layer %d/%d, %.0f s elapsed, ETA %.0f s", request.method, done, total, elapsed,
-                     elapsed / done * (total - done))
+            now = time.perf_counter()
+            per_layer = (now - layers_started) / done
+            log.info("%s: layer %d/%d, %.0f s elapsed, %.1f s per layer, ETA %.0f s", request.method, done, total,
+                     now - started, per_layer, per_layer * (total - done))
 
     try:
         with progress:

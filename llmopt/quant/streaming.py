@@ -59,8 +59,22 @@ class TensorCollector:
 
 
 @dataclass
+class SiteReport:
+    """What the report keeps of a quantized site once its tensors are written: not its codes,
+    which over an 8B model's layers add up to gigabytes."""
+
+    name: str
+    relative_error: float | None
+    details: dict
+
+    @classmethod
+    def of(cls, site: QuantizedSite) -> "SiteReport":
+        return cls(site.name, site.relative_error, site.details)
+
+
+@dataclass
 class StreamedQuantization:
-    sites: list[QuantizedSite]
+    sites: list[SiteReport]
     layer_seconds: list[float] = field(default_factory=list)
 
 
@@ -112,6 +126,8 @@ def stream_quantize(reader: CheckpointReader, config: ModelConfig, input_ids: to
         attn = EqualLengthAttention(num_seqs, seq_len)
     result = StreamedQuantization(sites=[])
     total = config.num_hidden_layers
+    if on_layer:
+        on_layer(0, total)  # the layers start now: progress and ETA count from here, not from start-up
     for i in range(total):
         start = time.perf_counter()
         prefix = f"model.layers.{i}"
@@ -120,7 +136,7 @@ def stream_quantize(reader: CheckpointReader, config: ModelConfig, input_ids: to
         if options is not None:
             x, sites = quantize_decoder_layer(config, layer, i, x, cos, sin, attn, options)
         _emit(sink, config, layer, prefix, sites, fmt, dense_dtype)
-        result.sites.extend(sites)
+        result.sites.extend(SiteReport.of(site) for site in sites)
         del layer, sites
         release_freed_memory()
         result.layer_seconds.append(round(time.perf_counter() - start, 3))
@@ -138,7 +154,7 @@ def stream_quantize(reader: CheckpointReader, config: ModelConfig, input_ids: to
         lm_head.load_state_dict({"weight": reader.get(head_source).to(device=device, dtype=dtype)}, assign=True)
         site = quantize_output_layer(config, norm, lm_head, x, options)
         _emit(sink, config, lm_head, "lm_head", [site], fmt, dense_dtype)
-        result.sites.append(site)
+        result.sites.append(SiteReport.of(site))
     elif not config.tie_word_embeddings:
         _copy_rows(reader, head_source, "lm_head.weight", sink, dense_dtype)
     return result
