@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 
 import httpx
 import pytest
@@ -49,18 +51,31 @@ def start_server(model: str, *flags: str, output=subprocess.PIPE) -> tuple[subpr
     raise RuntimeError("server did not start in 60 s")
 
 
+@contextlib.contextmanager
+def served(model: str, *flags: str) -> Iterator[str]:
+    """A module's server: `llmopt serve MODEL FLAGS` started, its base URL, stopped afterwards."""
+    proc, base = start_server(model, *flags)
+    try:
+        yield base
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
+
+
+def openai_client(base: str, key: str = KEY) -> openai.OpenAI:
+    return openai.OpenAI(base_url=base + "/v1", api_key=key)
+
+
 @pytest.fixture(scope="module")
 def server(tiny_models):
-    proc, base = start_server(str(tiny_models["llama"]), "--served-model-name", MODEL, "--api-key", KEY,
-                              "--kv-cache-memory", "64MiB", "--max-model-len", "256", "--max-num-seqs", "8")
-    yield base
-    proc.terminate()
-    proc.wait(timeout=20)
+    with served(str(tiny_models["llama"]), "--served-model-name", MODEL, "--api-key", KEY,
+                "--kv-cache-memory", "64MiB", "--max-model-len", "256", "--max-num-seqs", "8") as base:
+        yield base
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server + "/v1", api_key=KEY)
+    return openai_client(server)
 
 
 def post(server, path, body, key=KEY, raw=None):

@@ -24,7 +24,7 @@ from llmopt.runtime import SamplingParams
 from llmopt.runtime.async_engine import AsyncLLM
 from llmopt.serve.app import ServeConfig, build_app
 from conftest import CHAT_TEMPLATE, make_byte_tokenizer
-from test_serve import start_server
+from test_serve import served
 
 MODEL = "tiny"
 KEY = "k"
@@ -210,12 +210,10 @@ def test_tokenize_needs_the_key_when_one_is_set(loaded):
 
 @pytest.fixture(scope="module")
 def server(tiny_models):
-    proc, base = start_server(str(tiny_models["llama"]), "--served-model-name", MODEL, "--kv-cache-memory", "64MiB",
-                              "--max-model-len", "256", "--max-num-seqs", "8", "--read-timeout", "2",
-                              "--prepare-timeout", "20", "--timeout-keep-alive", "1")
-    yield base
-    proc.terminate()
-    proc.wait(timeout=20)
+    with served(str(tiny_models["llama"]), "--served-model-name", MODEL, "--kv-cache-memory", "64MiB",
+                "--max-model-len", "256", "--max-num-seqs", "8", "--read-timeout", "2",
+                "--prepare-timeout", "20", "--timeout-keep-alive", "1") as base:
+        yield base
 
 
 def health_bound(base: str) -> float:

@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("llama_cpp")
 openai = pytest.importorskip("openai")
 
-from test_serve import post, start_server  # noqa: E402
+from test_serve import openai_client, post, served  # noqa: E402
 
 pytestmark = pytest.mark.integration
 KEY = "test-key"
@@ -21,15 +21,13 @@ KEY = "test-key"
 
 @pytest.fixture(scope="module")
 def server():
-    proc, base = start_server("default", "--engine", "llama.cpp", "--api-key", KEY, "--max-model-len", "1024")
-    yield base
-    proc.terminate()
-    proc.wait(timeout=20)
+    with served("default", "--engine", "llama.cpp", "--api-key", KEY, "--max-model-len", "1024") as base:
+        yield base
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server + "/v1", api_key=KEY)
+    return openai_client(server, KEY)
 
 
 def test_chat_answers_and_streams_the_same(client):

@@ -12,7 +12,7 @@ openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("llguidance")
 
-from test_serve import post, start_server  # noqa: E402
+from test_serve import openai_client, post, served  # noqa: E402
 
 pytestmark = pytest.mark.integration
 KEY = "test-key"
@@ -33,15 +33,13 @@ MAX_TOKENS = 64
 
 @pytest.fixture(scope="module")
 def server():
-    proc, base = start_server("default", "--api-key", KEY, "--enable-auto-tool-choice", "--max-model-len", "1024")
-    yield base
-    proc.terminate()
-    proc.wait(timeout=20)
+    with served("default", "--api-key", KEY, "--enable-auto-tool-choice", "--max-model-len", "1024") as base:
+        yield base
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server + "/v1", api_key=KEY)
+    return openai_client(server, KEY)
 
 
 def check_call(call, names=tuple(SCHEMAS)) -> None:

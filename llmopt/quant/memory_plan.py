@@ -65,9 +65,11 @@ def quantize_plan(config: ModelConfig, method: str, fmt: str, num_samples: int, 
     calibrated = method in ("awq", "gptq")
     if calibrated:
         tokens = num_samples * seq_len
-        # residual + normed input (h), gate_up out (2i) and its product (i) in the compute
-        # dtype; the quantizer's float32 input copy and AWQ's scaled one (i, down_proj's input)
-        parts["activations"] = tokens * ((2 * h + 3 * i) * b + 2 * i * 4)
+        # at down_proj's hook: the residual and normed input (h each) and the MLP product (i) in
+        # the compute dtype; AWQ's scaled input and the clip search's grouped copy (i each, float32),
+        # and the hook's float32 copy of the input where the compute dtype is not float32. (An 8B
+        # AWQ 64 x 256 run in float32 peaked at 5.5 GiB in all; this part is then 3.1 GiB.)
+        parts["activations"] = tokens * ((2 * h + i) * b + 2 * i * 4 + (i * 4 if b != 4 else 0))
         parts["attention"] = tokens * (q + 2 * kv) * b * 2
     if quantize_lm_head and method != "gguf":
         parts["lm_head"] = config.vocab_size * h * (b + 3 * 4)
