@@ -63,3 +63,29 @@ def test_awq_scaled_q4_k_m_gguf_through_llama_cpp_knows_paris(calib_text, tmp_pa
                            "--gguf-type", "Q4_K_M", "--calib", str(calib_text), "--num-samples", "8", "--seq-len", "128")
     assert code == 0, err
     assert "Paris" in generate(out, "--engine", "llama.cpp")
+
+
+@pytest.mark.parametrize("method", ["rtn", "awq", "gptq", "gguf"])
+def test_streaming_equals_the_loaded_model_quantized_layer_by_layer(method, calib_text, tmp_path):
+    """Streaming quantize (one layer, or for GGUF one tensor, in memory) writes the bytes that
+    quantizing the fully loaded default model layer by layer writes (issue 26)."""
+    from llmopt.core import resolve
+    from llmopt.quant.quantize import QuantizeRequest, quantize
+    from test_gguf_streaming import loaded_model_gguf
+    from test_quantize_streaming import reference_checkpoint
+
+    model_dir = resolve("default").path
+    small = dict(calib=str(calib_text), num_samples=4, seq_len=64)
+    if method == "gguf":
+        pytest.importorskip("llama_cpp")
+        out = tmp_path / "streamed" / "default.gguf"
+        quantize(QuantizeRequest(model="default", output=out, method="gguf", gguf_type="Q4_K_M"))
+        (tmp_path / "reference").mkdir()
+        reference = loaded_model_gguf(model_dir, tmp_path / "reference" / "default.gguf", "Q4_K_M")
+        assert out.read_bytes() == reference.read_bytes()
+        return
+    req = QuantizeRequest(model="default", output=tmp_path / "streamed", method=method, **small)
+    quantize(req)
+    reference = reference_checkpoint(model_dir, calib_text, tmp_path / "reference", method, req.resolved_format(),
+                                     req.scheme(), req.resolved_desc_act(), num_samples=4, seq_len=64)
+    assert (req.output / "model.safetensors").read_bytes() == reference.read_bytes()

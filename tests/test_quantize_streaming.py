@@ -273,6 +273,39 @@ def test_memory_plan_of_an_8b_model(monkeypatch):
         memory_plan.check_fits(awq_self, "quantize", "hint")
 
 
+def test_memory_plan_of_gguf_export_is_one_tensor_or_llama_cpps_phase(tiny_models, tmp_path, monkeypatch):
+    """GGUF export streams: the plan is one tensor (no layer, no model) for the types quantized
+    in Python; the K-quants add llama.cpp's phase (its largest tensor in float32, twice)."""
+    from llmopt.core.config import ModelConfig
+
+    cfg = ModelConfig.from_hf({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
+                               "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+                               "num_key_value_heads": 8, "vocab_size": 128256, "max_position_embeddings": 8192,
+                               "rms_norm_eps": 1e-5, "tie_word_embeddings": False})
+    gib = 2**30
+
+    def plan(method, fmt, gguf_type):
+        return memory_plan.quantize_plan(cfg, method, fmt, 64, 256, torch.float32, False, False, gguf_type=gguf_type)
+
+    q4_0, q4_k_m, awq_q4_0 = plan("gguf", "gguf", "Q4_0"), plan("gguf", "gguf", "Q4_K_M"), plan("awq", "gguf", "Q4_0")
+    rtn = memory_plan.quantize_plan(cfg, "rtn", "gptq", 64, 256, torch.float32, False, False)
+    tensor = 14336 * 4096 * 8  # gate/up/down in float32 + a permuted or quantized copy
+    assert q4_0.parts == {"interpreter": memory_plan.BASELINE_BYTES, "tensor": tensor}  # no layer, no model
+    assert q4_0.needed < 1.5 * gib < rtn.needed  # the fp32 model alone is 30 GiB
+    llama_cpp = q4_k_m.parts["llama.cpp Q4_K_M of the largest tensor"]
+    assert llama_cpp == 128256 * 4096 * 10 and q4_k_m.needed == int((memory_plan.BASELINE_BYTES + llama_cpp) * 1.15)
+    assert awq_q4_0.parts["unrounded weights"] > 0 and awq_q4_0.needed > plan("awq", "awq", None).needed
+    # refused before any weight is read, with the reason where llama.cpp's phase is the peak
+    monkeypatch.setattr(memory_plan, "available_memory", lambda: 100 * 2**20)
+    monkeypatch.delenv("LLMOPT_MEMORY_CHECK", raising=False)
+    out = tmp_path / "m.gguf"
+    assert_usage_error(["quantize", str(tiny_models["llama"]), "-o", str(out), "--method", "gguf",
+                        "--gguf-type", "Q4_K_M"], "needs about", "llama.cpp", "Q4_0")
+    assert_usage_error(["quantize", str(tiny_models["llama"]), "-o", str(out), "--method", "gguf",
+                        "--gguf-type", "Q8_0"], "needs about", "one tensor at a time")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_available_memory_is_read():
     available = memory_plan.available_memory()
     assert available is None or 0 < available < 2**50

@@ -19,11 +19,12 @@ import ctypes
 import dataclasses
 import json
 import logging
+import math
 import os
-import re
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -60,7 +61,7 @@ _FALLBACK_PRE = "gpt-2"  # llama.cpp's "default" splits differently from GPT-2; 
 def write_gguf(
     out: Path,
     config: dict[str, Any],
-    tensors: dict[str, torch.Tensor],
+    tensors: Mapping[str, torch.Tensor],
     tokenizer: Tokenizer,
     gguf_type: str,
     overwrite: bool = False,
@@ -69,10 +70,32 @@ def write_gguf(
     """Write a GGUF file of `gguf_type` (one of GGUF_TYPES) that llama.cpp runs; returns `out`.
 
     `config` is a Hugging Face config.json dict, `tensors` Hugging Face-named tensors in
-    Hugging Face layout (lm_head may be absent when embeddings are tied). `metadata` adds
-    string keys (e.g. "general.name", default: the file's stem). The file appears
-    complete or not at all.
+    Hugging Face layout (lm_head may be absent when embeddings are tied); they are fetched
+    and written one at a time (`gguf_file`). `metadata` adds string keys (e.g.
+    "general.name", default: the file's stem). The file appears complete or not at all.
     """
+    with gguf_file(out, config, {name: tuple(tensors[name].shape) for name in tensors}, tokenizer, gguf_type,
+                   overwrite=overwrite, metadata=metadata) as sink:
+        for name in sink.names:
+            sink.write(name, tensors[name])
+    return Path(out)
+
+
+@contextmanager
+def gguf_file(
+    out: Path,
+    config: dict[str, Any],
+    shapes: Mapping[str, tuple[int, ...]],
+    tokenizer: Tokenizer,
+    gguf_type: str,
+    overwrite: bool = False,
+    metadata: dict[str, str] | None = None,
+) -> Iterator[GGUFTensorWriter]:
+    """A GGUF file being written: the header, metadata and every tensor's info (from
+    `shapes`, Hugging Face names -> shapes) are on disk before the body runs; the body hands
+    the yielded writer each tensor (whole, or in row pieces), in any order. On leaving, a
+    K-quant file is quantized by llama.cpp and the file takes its name `out`; on an error
+    nothing is left behind."""
     out = Path(out)
     if gguf_type not in GGUF_TYPES:
         raise LlmoptError(f"unknown GGUF type {gguf_type!r}; choose one of: {', '.join(GGUF_TYPES)}")
@@ -82,37 +105,160 @@ def write_gguf(
     with atomic_file(out) as tmp:
         if gguf_type in K_QUANT_TYPES:
             with _scratch_file(out) as f16:
-                _write(f16, cfg, tensors, tokenizer, "F16", metadata)
+                writer = GGUFTensorWriter(f16, cfg, shapes, tokenizer, "F16", metadata)
+                yield writer
+                writer.close()
                 _llama_cpp_quantize(f16, tmp, gguf_type)
         else:
-            _write(tmp, cfg, tensors, tokenizer, gguf_type, metadata)
-    return out
+            writer = GGUFTensorWriter(tmp, cfg, shapes, tokenizer, gguf_type, metadata)
+            yield writer
+            writer.close()
 
 
 # ---- the file ---------------------------------------------------------------------------
-def _write(path: Path, cfg: ModelConfig, tensors: dict[str, torch.Tensor], tokenizer: Tokenizer,
-           gguf_type: str, metadata: dict[str, str]) -> None:
-    import gguf
+@dataclass(frozen=True)
+class _PlannedTensor:
+    name: str  # llama.cpp's name
+    shape: tuple[int, ...]
+    qtype: GGMLQuantizationType
+    nbytes: int
+    offset: int  # absolute, in the file
+    qk_heads: int | None  # rows permuted into llama.cpp's q/k order, for this many heads
 
-    arch = GGUF_ARCHITECTURES[cfg.model_type]
-    target = gguf.GGMLQuantizationType[gguf_type]
-    writer = gguf.GGUFWriter(str(path), arch)
-    try:
-        _add_model_keys(writer, cfg, gguf_type)
-        _add_tokenizer(writer, tokenizer, cfg)
-        for key, value in metadata.items():
-            if key in writer.kv_data[0]:
-                raise LlmoptError(f"metadata key {key!r} is written by the GGUF exporter itself; drop it")
-            writer.add_string(key, str(value))
-        output_name = "token_embd.weight" if cfg.tie_word_embeddings else "output.weight"
-        for name, array in _gguf_tensors(cfg, tensors):
-            qtype = _storage_type(name, array, target, output_name)
-            writer.add_tensor(name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-    finally:
-        writer.close()
+
+class GGUFTensorWriter:
+    """A GGUF file whose layout is planned before any tensor data arrives, so a model is
+    written one tensor at a time and nothing of it needs to stay in memory.
+
+    The `gguf` package's GGUFWriter writes the header, the metadata and the tensor infos
+    (names, shapes, types; offsets follow from each type's block size); each tensor's data is
+    then quantized with `gguf.quants` and written to its offset with `pwrite`. Not GGUFWriter's
+    `write_tensor_data`: it takes whole tensors in file order, and the embedding table and
+    output projection arrive in row pieces (streaming.py) so that they never exist whole in
+    float32. The bytes equal GGUFWriter's own `add_tensor` + `write_tensors_to_file` (zero
+    padding to the data alignment between tensors).
+    """
+
+    def __init__(self, path: Path, cfg: ModelConfig, shapes: Mapping[str, tuple[int, ...]], tokenizer: Tokenizer,
+                 gguf_type: str, metadata: dict[str, str]):
+        import gguf
+
+        self.path = Path(path)
+        target = gguf.GGMLQuantizationType[gguf_type]
+        arch = GGUF_ARCHITECTURES[cfg.model_type]
+        writer = gguf.GGUFWriter(str(path), arch)
+        try:
+            _add_model_keys(writer, cfg, gguf_type)
+            _add_tokenizer(writer, tokenizer, cfg)
+            for key, value in metadata.items():
+                if key in writer.kv_data[0]:
+                    raise LlmoptError(f"metadata key {key!r} is written by the GGUF exporter itself; drop it")
+                writer.add_string(key, str(value))
+            rope_freqs = _rope_freqs(cfg)
+            infos = list(_tensor_infos(cfg, shapes, target, rope_freqs))
+            for _, name, shape, qtype, _ in infos:
+                # tensor_dtype only matters for raw bytes (uint8); the shape is the logical one
+                writer.add_tensor_info(name, shape, np.dtype(np.float32), _nbytes(shape, qtype), raw_dtype=qtype)
+            writer.write_header_to_file()
+            writer.write_kv_data_to_file()
+            writer.write_ti_data_to_file()
+            offset = writer.ggml_pad(writer.fout[0].tell(), writer.data_alignment)
+            alignment = writer.data_alignment
+        finally:
+            writer.close()
+        # the offsets GGUFWriter.write_ti_data_to_file wrote: each tensor padded to the alignment
+        self._planned: dict[str, _PlannedTensor] = {}
+        for hf_name, name, shape, qtype, heads in infos:
+            nbytes = _nbytes(shape, qtype)
+            self._planned[hf_name] = _PlannedTensor(name, shape, qtype, nbytes, offset, heads)
+            offset += writer.ggml_pad(nbytes, alignment)
+        os.truncate(self.path, offset)  # the padding between tensors stays zero, as GGUFWriter writes it
+        self._missing = {hf_name: p.nbytes for hf_name, p in self._planned.items()}
+        self._skipped = set(shapes) - set(self._planned)
+        self.names = [hf_name for hf_name in shapes if hf_name in self._planned]  # what write() still expects
+        if rope_freqs is not None:
+            self.write(ROPE_FREQS, rope_freqs)
+
+    def write(self, name: str, tensor: torch.Tensor, row_start: int = 0) -> None:
+        """Quantize and write Hugging Face tensor `name`, or its rows from `row_start` on."""
+        import gguf
+
+        planned = self._planned.get(name)
+        if planned is None:
+            if name in self._skipped:  # a tied lm_head, an old checkpoint's rotary inv_freq
+                return
+            raise ValueError(f"tensor {name!r} is not in the GGUF file's plan")
+        shape = tuple(tensor.shape)
+        whole = shape == planned.shape and row_start == 0
+        rows_fit = len(shape) >= 1 and shape[1:] == planned.shape[1:] and row_start + shape[0] <= planned.shape[0]
+        if not (whole or rows_fit) or (planned.qk_heads and not whole):
+            raise ValueError(f"tensor {name!r}: {shape} at row {row_start} does not fit the plan's {planned.shape}")
+        array = tensor.detach().to(torch.float32).cpu().numpy()
+        if planned.qk_heads:
+            array = _permute_qk(array, planned.qk_heads)
+        data = gguf.quants.quantize(np.ascontiguousarray(array), planned.qtype)
+        view = memoryview(data.reshape(-1).view(np.uint8))
+        at = planned.offset + (row_start * planned.nbytes // planned.shape[0] if row_start else 0)
+        with open(self.path, "r+b", buffering=0) as f:
+            done = 0
+            while done < len(view):
+                done += os.pwrite(f.fileno(), view[done:], at + done)
+        self._missing[name] -= len(view)
+
+    def close(self) -> None:
+        """Check every planned tensor was written in full."""
+        unwritten = [name for name, left in self._missing.items() if left]
+        if unwritten:
+            raise RuntimeError(f"GGUF file incomplete: {len(unwritten)} tensor(s) not written, e.g. {unwritten[:3]}")
+
+
+ROPE_FREQS = "rope_freqs.weight"  # computed from the config, not read from the checkpoint
+
+
+def _nbytes(shape: tuple[int, ...], qtype: GGMLQuantizationType) -> int:
+    from gguf import GGML_QUANT_SIZES
+
+    block_size, type_size = GGML_QUANT_SIZES[qtype]
+    return math.prod(shape) // block_size * type_size
+
+
+def _rope_freqs(cfg: ModelConfig) -> torch.Tensor | None:
+    """llama.cpp applies Llama-3.1 RoPE scaling as per-frequency divisors in a tensor."""
+    if cfg.rope_type != "llama3":
+        return None
+    unscaled = rope_inv_freq(dataclasses.replace(cfg, rope_scaling=None))
+    return (unscaled / rope_inv_freq(cfg)).to(torch.float32)
+
+
+def _tensor_infos(cfg: ModelConfig, shapes: Mapping[str, tuple[int, ...]], target: GGMLQuantizationType,
+                  rope_freqs: torch.Tensor | None) -> Iterator[tuple[str, str, tuple[int, ...], GGMLQuantizationType, int | None]]:
+    """(Hugging Face name, GGUF name, shape, storage type, q/k heads) for every tensor the file
+    holds, in file order: rope factors (Llama 3.1 scaling) first, then `shapes`' order."""
+    required = {"model.embed_tokens.weight", "model.norm.weight"} | {
+        f"model.layers.{i}.{hf}.weight" for i in range(cfg.num_hidden_layers) for hf in _HF_LAYER_TENSORS
+    }
+    if not cfg.tie_word_embeddings:
+        required.add("lm_head.weight")
+    missing = sorted(required - shapes.keys())
+    if missing:
+        raise LlmoptError(f"cannot export to GGUF: {len(missing)} tensor(s) missing, e.g. {', '.join(missing[:3])}")
+    output_name = "token_embd.weight" if cfg.tie_word_embeddings else "output.weight"
+    if rope_freqs is not None:
+        shape = tuple(rope_freqs.shape)
+        yield ROPE_FREQS, "rope_freqs.weight", shape, _storage_type("rope_freqs.weight", shape, target, output_name), None
+    for hf_name, shape in shapes.items():
+        if hf_name.endswith("rotary_emb.inv_freq"):  # some old checkpoints carry it; llama.cpp recomputes it
+            continue
+        if hf_name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        name = gguf_tensor_name(hf_name)
+        if name is None:
+            raise LlmoptError(f"cannot export to GGUF: no llama.cpp name for tensor {hf_name!r}")
+        heads = None
+        if GGUF_ARCHITECTURES[cfg.model_type] == "llama" and name.split(".")[-2] in ("attn_q", "attn_k"):
+            heads = cfg.num_attention_heads if ".attn_q." in name else cfg.num_key_value_heads
+        shape = tuple(shape)
+        yield hf_name, name, shape, _storage_type(name, shape, target, output_name), heads
 
 
 def _add_model_keys(writer: GGUFWriter, cfg: ModelConfig, gguf_type: str) -> None:
@@ -146,52 +292,24 @@ def _add_model_keys(writer: GGUFWriter, cfg: ModelConfig, gguf_type: str) -> Non
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
 
 
-def _gguf_tensors(cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> Iterator[tuple[str, np.ndarray]]:
-    """(GGUF name, float32 array in llama.cpp's layout) for every tensor the file holds."""
-    required = {"model.embed_tokens.weight", "model.norm.weight"} | {
-        f"model.layers.{i}.{hf}.weight" for i in range(cfg.num_hidden_layers) for hf in _HF_LAYER_TENSORS
-    }
-    if not cfg.tie_word_embeddings:
-        required.add("lm_head.weight")
-    missing = sorted(required - tensors.keys())
-    if missing:
-        raise LlmoptError(f"cannot export to GGUF: {len(missing)} tensor(s) missing, e.g. {', '.join(missing[:3])}")
-    if cfg.rope_type == "llama3":
-        # llama.cpp applies Llama-3.1 RoPE scaling as per-frequency divisors in this tensor
-        unscaled = rope_inv_freq(dataclasses.replace(cfg, rope_scaling=None))
-        yield "rope_freqs.weight", (unscaled / rope_inv_freq(cfg)).numpy().astype(np.float32)
-    for hf_name, tensor in tensors.items():
-        if hf_name.endswith("rotary_emb.inv_freq"):  # some old checkpoints carry it; llama.cpp recomputes it
-            continue
-        if hf_name == "lm_head.weight" and cfg.tie_word_embeddings:
-            continue
-        name = gguf_tensor_name(hf_name)
-        if name is None:
-            raise LlmoptError(f"cannot export to GGUF: no llama.cpp name for tensor {hf_name!r}")
-        array = tensor.detach().to(torch.float32).cpu().numpy()
-        if GGUF_ARCHITECTURES[cfg.model_type] == "llama" and name.split(".")[-2] in ("attn_q", "attn_k"):
-            heads = cfg.num_attention_heads if ".attn_q." in name else cfg.num_key_value_heads
-            array = _permute_qk(array, heads)
-        yield name, np.ascontiguousarray(array)
-
-
 def _permute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
     """llama.cpp's q/k row order (rotate-half halves -> interleaved pairs); gguf_file._unpermute_qk inverts it."""
     rows = w.shape[0]
     return w.reshape(n_heads, 2, rows // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _storage_type(name: str, array: np.ndarray, target: GGMLQuantizationType, output_name: str) -> GGMLQuantizationType:
+def _storage_type(name: str, shape: tuple[int, ...], target: GGMLQuantizationType,
+                  output_name: str) -> GGMLQuantizationType:
     """The type one tensor is stored in when the file's type is `target`."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
-    if array.ndim == 1:  # norms, biases, rope factors: tiny, and llama.cpp keeps them F32
+    if len(shape) == 1:  # norms, biases, rope factors: tiny, and llama.cpp keeps them F32
         return T.F32
     if name == output_name and target in (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1):
         # llama.cpp's quantizer gives the output projection more bits (Q6_K) in these files too;
         # Q8_0 is the nearest type we can write in Python
         target = T.Q8_0
-    if array.shape[-1] % GGML_QUANT_SIZES[target][0]:
+    if shape[-1] % GGML_QUANT_SIZES[target][0]:
         return T.F16  # rows not made of whole blocks: F16, as convert_hf_to_gguf.py falls back
     return target
 

@@ -7,9 +7,15 @@ one decoder layer in the compute dtype and the quantizer's copies of its largest
 the calibration activations (the residual stream, the MLP's intermediates and the
 quantizer's float32 copy of a linear's input, all [samples x seq_len, width]); a chunk of
 the embedding table; and the interpreter with torch loaded. `--calib self` needs the whole
-model in float32 first (it generates its own calibration text, then frees it), GGUF export
-the whole model's float32 tensors (its writer takes them all at once). It is an estimate: 15%
-headroom is added, and LLMOPT_MEMORY_CHECK=0 skips the refusal.
+model in float32 first (it generates its own calibration text, then frees it).
+
+GGUF export writes each tensor as it arrives (gguf_export.py): `--method gguf` holds one
+checkpoint tensor in float32 (plus its q/k-permuted copy) and its quantized bytes, no layer;
+AWQ into GGUF adds the layer's unrounded weights the export quantizes. The K-quant types are
+then quantized by llama.cpp from an F16 scratch file, a later phase that holds the largest
+tensor (the embedding table, usually) as float32 plus a work buffer of the same size. Where a
+run has phases, the plan is the largest. It is an estimate: 15% headroom is added, and
+LLMOPT_MEMORY_CHECK=0 skips the refusal.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import torch
 from llmopt.core.config import ModelConfig
 from llmopt.core.memory import available_memory_bytes as available_memory
 from llmopt.errors import LlmoptError
+from llmopt.quant.gguf_export import K_QUANT_TYPES
 
 log = logging.getLogger("llmopt")
 
@@ -53,15 +60,22 @@ class MemoryPlan:
 
 
 def quantize_plan(config: ModelConfig, method: str, fmt: str, num_samples: int, seq_len: int,
-                  dtype: torch.dtype, calib_self: bool, quantize_lm_head: bool) -> MemoryPlan:
+                  dtype: torch.dtype, calib_self: bool, quantize_lm_head: bool,
+                  gguf_type: str | None = None) -> MemoryPlan:
     """What `llmopt quantize` holds at its peak (see the module docstring)."""
     h, i = config.hidden_size, config.intermediate_size
     q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
     b = dtype.itemsize
     layer = h * (q + 2 * kv) + q * h + 3 * h * i
     largest = max(h * (q + 2 * kv), q * h, 2 * i * h)
-    parts = {"interpreter": BASELINE_BYTES, "layer": layer * b + 3 * largest * 4,
-             "embedding chunk": 8192 * h * 8}
+    parts = {"interpreter": BASELINE_BYTES}
+    if method == "gguf":
+        # one checkpoint tensor (q, k, v, gate, up apart) in float32 and its permuted copy or quantized
+        # bytes; or a row chunk of the embedding table / lm_head: read, float32, quantized (<= 4 bytes each)
+        parts["tensor"] = max(max(q * h, i * h) * (4 + 4), 8192 * h * 12)
+    else:
+        parts["layer"] = layer * b + 3 * largest * 4
+        parts["embedding chunk"] = 8192 * h * 8
     calibrated = method in ("awq", "gptq")
     if calibrated:
         tokens = num_samples * seq_len
@@ -71,16 +85,22 @@ def quantize_plan(config: ModelConfig, method: str, fmt: str, num_samples: int, 
         # AWQ 64 x 256 run in float32 peaked at 5.5 GiB in all; this part is then 3.1 GiB.)
         parts["activations"] = tokens * ((2 * h + i) * b + 2 * i * 4 + (i * 4 if b != 4 else 0))
         parts["attention"] = tokens * (q + 2 * kv) * b * 2
+    if fmt == "gguf" and method != "gguf":
+        # AWQ's scaled weights before rounding, kept for the GGUF types to round; one tensor's GGUF copy
+        parts["unrounded weights"] = layer * b + largest * 4
     if quantize_lm_head and method != "gguf":
         parts["lm_head"] = config.vocab_size * h * (b + 3 * 4)
+    phases = [parts]
     params = config.num_parameters
-    if calibrated and calib_self and params * 4 > sum(parts.values()) - BASELINE_BYTES:
-        # the model is loaded whole to write the calibration text, and freed before the layers
-        # stream: the peak is whichever phase is larger
-        parts = {"interpreter": BASELINE_BYTES, "model for --calib self": params * 4}
-    if fmt == "gguf":
-        parts["GGUF tensors"] = params * 4 * 2  # float32 tensors + the writer's quantized copies
-    return MemoryPlan(parts=parts)
+    if calibrated and calib_self:
+        # the model is loaded whole to write the calibration text, and freed before the layers stream
+        phases.append({"interpreter": BASELINE_BYTES, "model for --calib self": params * 4})
+    if fmt == "gguf" and gguf_type in K_QUANT_TYPES:
+        # llama.cpp's quantizer, after the stream: its largest tensor widened to float32, a work buffer
+        # as large, and that tensor's F16 bytes (the scratch file is memory-mapped)
+        biggest = max(config.vocab_size * h, i * h, q * h)
+        phases.append({"interpreter": BASELINE_BYTES, f"llama.cpp {gguf_type} of the largest tensor": biggest * 10})
+    return MemoryPlan(parts=max(phases, key=lambda phase: sum(phase.values())))
 
 
 def check_fits(plan: MemoryPlan, what: str, hint: str) -> MemoryPlan:

@@ -6,8 +6,9 @@
 
 Only one decoder layer is in memory at a time, in the compute dtype (`--dtype`); its
 quantized weights are split back into the checkpoint's per-projection tensors, packed and
-written to the planned shards before the next layer is read. GGUF export collects the
-tensors and writes the file at the end.
+written to the planned shards before the next layer is read. GGUF export plans the file's
+header and tensor infos from the config first, then quantizes each tensor to its GGUF type
+as it arrives (gguf_export.py).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from llmopt.quant.calibration import CalibrationData, TextModel, load_calibratio
 from llmopt.quant.layerwise import MethodOptions, checkpoint_tensors
 from llmopt.quant.memory_plan import check_fits, quantize_plan
 from llmopt.quant.quantizer import QuantScheme
-from llmopt.quant.streaming import TensorCollector, output_plan, stream_quantize
+from llmopt.quant.streaming import output_plan, stream_quantize
 
 log = logging.getLogger("llmopt")
 
@@ -204,9 +205,10 @@ def quantize(req: QuantizeRequest, on_layer: Callable[[int, int], None] | None =
     self_hint = ", or pass a calibration text with --calib (--calib self loads the whole model)"
     memory = check_fits(
         quantize_plan(config, req.method, fmt, req.num_samples, req.seq_len, dtype,
-                      calib_self=req.calib == "self", quantize_lm_head=req.quantize_lm_head),
+                      calib_self=req.calib == "self", quantize_lm_head=req.quantize_lm_head,
+                      gguf_type=req.gguf_type if fmt == "gguf" else None),
         f"quantize --method {req.method}",
-        "lower --num-samples/--seq-len or use --dtype bfloat16" + (self_hint if calibrated and req.calib == "self" else ""))
+        _memory_hint(req, fmt) + (self_hint if calibrated and req.calib == "self" else ""))
     if calibrated and calib is None:
         t0 = time.perf_counter()
         calib = _self_calibration(req, source)
@@ -225,14 +227,14 @@ def quantize(req: QuantizeRequest, on_layer: Callable[[int, int], None] | None =
     untied = req.quantize_lm_head and options is not None and config.tie_word_embeddings
     stream = dict(quantize_lm_head=req.quantize_lm_head, dtype=dtype, device=device, on_layer=on_layer)
     if fmt == "gguf":
-        from llmopt.quant.gguf_export import write_gguf
+        from llmopt.quant.gguf_export import gguf_file
 
-        collected = TensorCollector(plan)  # the GGUF writer takes every tensor at once
-        streamed = stream_quantize(reader, config, input_ids, options, fmt, collected, **stream)
+        # the file's layout is planned from the config, then each tensor is quantized as it arrives
+        with gguf_file(req.output, _output_config(source.raw_config, None, untied),
+                       {spec.name: spec.shape for spec in plan}, tokenizer, req.gguf_type,
+                       overwrite=req.overwrite, metadata={"llmopt.method": req.method}) as writer:
+            streamed = stream_quantize(reader, config, input_ids, options, fmt, writer, **stream)
         quant_seconds = time.perf_counter() - t_quant
-        write_gguf(req.output, _output_config(source.raw_config, None, untied), collected.tensors, tokenizer,
-                   req.gguf_type, overwrite=req.overwrite, metadata={"llmopt.method": req.method})
-        del collected
         size_after = req.output.stat().st_size
     else:
         qconfig = quantization_config(fmt, scheme, req.resolved_desc_act(), lm_head=req.quantize_lm_head,
@@ -268,6 +270,17 @@ def quantize(req: QuantizeRequest, on_layer: Callable[[int, int], None] | None =
     with atomic_file(report_path) as tmp:
         tmp.write_text(json.dumps(report.to_dict(), indent=2), encoding="utf-8")
     return report
+
+
+def _memory_hint(req: QuantizeRequest, fmt: str) -> str:
+    if req.method != "gguf":
+        return "lower --num-samples/--seq-len or use --dtype bfloat16"
+    from llmopt.quant.gguf_export import K_QUANT_TYPES
+
+    if req.gguf_type in K_QUANT_TYPES:  # llama.cpp's phase dominates: see memory_plan.py
+        return f"{req.gguf_type} is quantized by llama.cpp, which holds the largest tensor in float32 twice; " \
+               "a type quantized as it streams (Q8_0, Q5_1, Q4_0, ...) needs less"
+    return "the export holds one tensor at a time; free some memory"
 
 
 def _self_calibration(req: QuantizeRequest, source) -> CalibrationData:

@@ -12,6 +12,10 @@ the kernel backend's ops for the compute dtype), so the result equals quantizing
 loaded model layer by layer, bit for bit. The linears are not `prepare`d for the backend's
 inference kernels: the quantizer rewrites their weights during the forward, and a
 pre-packed copy (oneDNN, for very wide layers) would go stale.
+
+GGUF export without AWQ (`--method gguf`) has nothing to calibrate: its tensors are copied
+one at a time (the embedding table and output projection in row chunks) to the GGUF file
+writer, which quantizes each to its GGUF type as it arrives.
 """
 
 from __future__ import annotations
@@ -43,19 +47,9 @@ ROWS_PER_CHUNK = 8192  # embedding / vocabulary rows read and written at a time
 
 
 class TensorSink(Protocol):
-    """Where output tensors go: a checkpoint writer, or a collector (GGUF export)."""
+    """Where output tensors go: a safetensors checkpoint writer, a GGUF file writer, or a collector."""
 
     def write(self, name: str, tensor: torch.Tensor, row_start: int = 0) -> None: ...
-
-
-class TensorCollector:
-    """A sink that keeps the output tensors in memory (for writers that need them all at once)."""
-
-    def __init__(self, plan: list[TensorSpec]):
-        self.tensors = {spec.name: torch.empty(spec.shape, dtype=spec.dtype) for spec in plan}
-
-    def write(self, name: str, tensor: torch.Tensor, row_start: int = 0) -> None:
-        self.tensors[name][row_start:row_start + tensor.shape[0]] = tensor
 
 
 @dataclass
@@ -110,11 +104,13 @@ def stream_quantize(reader: CheckpointReader, config: ModelConfig, input_ids: to
                     dtype: torch.dtype = torch.float32, device: torch.device = torch.device("cpu"),
                     on_layer: Callable[[int, int], None] | None = None) -> StreamedQuantization:
     """Quantize the checkpoint `reader` reads layer by layer into `sink` (its tensors as
-    `output_plan` lists them). `options` None copies the weights unquantized (GGUF's own
-    types quantize them); `input_ids` [samples, seq_len] calibrate AWQ/GPTQ."""
+    `output_plan` lists them). `options` None copies the weights unquantized, one tensor at a
+    time and in `dense_dtype` straight from the checkpoint's (GGUF's own types quantize them;
+    there is no forward, so `dtype` plays no part); `input_ids` [samples, seq_len] calibrate
+    AWQ/GPTQ."""
     _check_present(reader, config, quantize_lm_head)
-    backend = select_backend(device, dtype)
-    ops = backend.decoder_ops(dtype)
+    # the kernel backend's ops run the calibration forward; a plain copy needs none (nor their build)
+    ops = None if options is None else select_backend(device, dtype).decoder_ops(dtype)
     dense_dtype = torch.float32 if fmt == "gguf" else torch.float16
     calibrated = options is not None and options.method != "rtn"
     x = _embeddings(reader, sink, input_ids if calibrated else None, dtype, device, dense_dtype)
@@ -131,23 +127,27 @@ def stream_quantize(reader: CheckpointReader, config: ModelConfig, input_ids: to
     for i in range(total):
         start = time.perf_counter()
         prefix = f"model.layers.{i}"
-        layer = _read_layer(reader, config, i, dtype, device, ops)
-        sites: list[QuantizedSite] = []
-        if options is not None:
+        if options is None:
+            _copy_layer(reader, config, i, sink, dense_dtype)
+        else:
+            layer = _read_layer(reader, config, i, dtype, device, ops)
             x, sites = quantize_decoder_layer(config, layer, i, x, cos, sin, attn, options)
-        _emit(sink, config, layer, prefix, sites, fmt, dense_dtype)
-        result.sites.extend(SiteReport.of(site) for site in sites)
-        del layer, sites
+            _emit(sink, config, layer, prefix, sites, fmt, dense_dtype)
+            result.sites.extend(SiteReport.of(site) for site in sites)
+            del layer, sites
         release_freed_memory()
         result.layer_seconds.append(round(time.perf_counter() - start, 3))
         if on_layer:
             on_layer(i + 1, total)
-    with torch.device("meta"):
-        norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-    norm.load_state_dict({"weight": reader.get("model.norm.weight").to(device=device, dtype=dtype)}, assign=True)
-    norm.ops = ops
-    sink.write("model.norm.weight", norm.weight.to(dense_dtype))
     head_source = EMBED if config.tie_word_embeddings else "lm_head.weight"
+    if options is None:
+        _copy_tensor(reader, "model.norm.weight", (config.hidden_size,), sink, dense_dtype)
+    else:
+        with torch.device("meta"):
+            norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        norm.load_state_dict({"weight": reader.get("model.norm.weight").to(device=device, dtype=dtype)}, assign=True)
+        norm.ops = ops
+        sink.write("model.norm.weight", norm.weight.to(dense_dtype))
     if quantize_lm_head and options is not None:
         with torch.device("meta"):
             lm_head = make_linear(config.hidden_size, config.vocab_size, bias=False)
@@ -171,6 +171,10 @@ def _check_present(reader: CheckpointReader, config: ModelConfig, quantize_lm_he
     if missing:
         shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
         raise LlmoptError(f"the checkpoint is missing tensor(s) {shown}")
+    rows = (config.vocab_size, config.hidden_size)  # read in row chunks, so checked here
+    for name in sorted(needed & {EMBED, "lm_head.weight"}):
+        if reader.shape(name) != rows:
+            raise LlmoptError(f"checkpoint tensor {name} has shape {reader.shape(name)}, config implies {rows}")
 
 
 def _embeddings(reader: CheckpointReader, sink: TensorSink, input_ids: torch.Tensor | None,
@@ -186,7 +190,24 @@ def _embeddings(reader: CheckpointReader, sink: TensorSink, input_ids: torch.Ten
         if ids is not None:
             hit = (ids >= start) & (ids < start + rows.shape[0])
             x[hit.to(device)] = rows.to(device=device, dtype=dtype)[(ids[hit] - start).to(device)]
+        del rows  # before the next chunk is read: one chunk in memory, not two
     return x
+
+
+def _copy_layer(reader: CheckpointReader, config: ModelConfig, index: int, sink: TensorSink,
+                dense_dtype: torch.dtype) -> None:
+    """Decoder layer `index`'s checkpoint tensors, one at a time, converted to `dense_dtype`."""
+    with torch.device("meta"):
+        layer = DecoderLayer(config, index)
+    for name, planned in checkpoint_tensors(config, layer, f"model.layers.{index}").items():
+        _copy_tensor(reader, name, tuple(planned.shape), sink, dense_dtype)
+
+
+def _copy_tensor(reader: CheckpointReader, name: str, shape: tuple[int, ...], sink: TensorSink,
+                 dense_dtype: torch.dtype) -> None:
+    if reader.shape(name) != shape:
+        raise LlmoptError(f"checkpoint tensor {name} has shape {reader.shape(name)}, config implies {shape}")
+    sink.write(name, reader.get(name).to(dense_dtype))
 
 
 def _copy_rows(reader: CheckpointReader, source: str, name: str, sink: TensorSink, dense_dtype: torch.dtype) -> None:
