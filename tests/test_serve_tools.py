@@ -245,3 +245,115 @@ def test_unanswered_tool_call_id_is_refused(server):
 def test_responses_state_is_refused(server, field, value):
     error = refusal(server, "/v1/responses", {"input": "Hi", field: value})
     assert error["param"] == field and "keeps no" in error["message"]
+
+
+# ---- a constrained output never ends broken -----------------------------------------------------
+# a list the small model keeps writing: at temperature 1 it loops in the array until max_tokens
+LIST_SCHEMA = {"type": "object", "properties": {
+    "fruits": {"type": "array", "items": {"type": "string", "pattern": "^[A-Za-z ]{1,20}$"}},
+    "count": {"type": "integer"}}, "required": ["fruits", "count"], "additionalProperties": False}
+LIST_FORMAT = {"type": "json_schema", "json_schema": {"name": "fruits", "schema": LIST_SCHEMA}}
+LIST_ASK = [{"role": "user", "content": "List twenty fruits as JSON."}]
+ADD_ARGS = {"type": "object", "properties": {"numbers": {"type": "array", "items": {"type": "integer"}}},
+            "required": ["numbers"], "additionalProperties": False}
+ADD_TOOLS = [{"type": "function", "function": {"name": "add", "description": "Add up numbers.",
+                                               "parameters": ADD_ARGS}}]
+
+
+def answer(server, path: str, body: dict) -> dict:
+    import httpx
+
+    resp = httpx.post(server + path, json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=600)
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+def test_json_outputs_cut_by_max_tokens_are_closed_or_say_so(server):
+    """Several seeds at temperature 1 with a small max_tokens: every answer the budget ended either
+    parses and validates (output_closure "closed") or says it could not be closed; none is
+    silently broken."""
+    choices = [c for seed in (1, 2) for c in answer(server, "/v1/chat/completions", {
+        "messages": LIST_ASK, "response_format": LIST_FORMAT, "temperature": 1.0, "seed": seed, "n": 4,
+        "max_tokens": 32})["choices"]]
+    closures = []
+    for c in choices:
+        text, closure = c["message"]["content"], c["output_closure"]
+        # (null with "length": the model itself completed the JSON with the budget's last token)
+        assert c["finish_reason"] == "length" or (c["finish_reason"] == "stop" and closure is None)
+        if closure == "unclosable":
+            with pytest.raises(json.JSONDecodeError):
+                json.loads(text)
+        else:
+            jsonschema.validate(json.loads(text), LIST_SCHEMA)
+        closures.append(closure)
+    assert "closed" in closures  # the budget did end some answers inside the JSON
+    # too small a budget for any valid answer: said so
+    tiny = answer(server, "/v1/chat/completions", {"messages": LIST_ASK, "response_format": LIST_FORMAT,
+                                                   "max_tokens": 3, "temperature": 1.0, "seed": 1})["choices"][0]
+    assert tiny["finish_reason"] == "length" and tiny["output_closure"] == "unclosable"
+
+
+def test_a_streamed_closed_output_says_so_on_its_last_chunk(client):
+    # 16 tokens: room for the smallest answer (~10 tokens), not for twenty fruits
+    kw = dict(model="default", messages=LIST_ASK, response_format=LIST_FORMAT, temperature=1.0, seed=1,
+              max_tokens=16)
+    whole = client.chat.completions.create(**kw).choices[0]
+    chunks = [choice for chunk in client.chat.completions.create(**kw, stream=True) for choice in chunk.choices]
+    assert "".join(c.delta.content or "" for c in chunks) == whole.message.content
+    assert chunks[-1].finish_reason == whole.finish_reason == "length"
+    assert getattr(chunks[-1], "output_closure", None) == getattr(whole, "output_closure", None) == "closed"
+    jsonschema.validate(json.loads(whole.message.content), LIST_SCHEMA)
+
+
+def test_a_tool_call_cut_by_max_tokens_is_closed_or_left_out(server):
+    body = {"messages": [{"role": "user", "content": "Add up the numbers from 1 to 50."}], "tools": ADD_TOOLS,
+            "tool_choice": "required", "parallel_tool_calls": False, "temperature": 1.0, "seed": 4, "n": 4}
+    for c in answer(server, "/v1/chat/completions", {**body, "max_tokens": 40})["choices"]:
+        assert c["finish_reason"] in ("length", "tool_calls") and c["output_closure"] in ("closed", None)
+        (call,) = c["message"]["tool_calls"]
+        jsonschema.validate(json.loads(call["function"]["arguments"]), ADD_ARGS)
+    # no call fits in 12 tokens (`<tool_call>\n{"name": "add", "arguments": {"numbers": []}}\n</tool_call>`)
+    cut = answer(server, "/v1/chat/completions", {**body, "n": 1, "max_tokens": 12})["choices"][0]
+    assert cut["finish_reason"] == "length" and cut["output_closure"] == "unclosable"
+    assert cut["message"].get("tool_calls") is None  # never a half call
+    response = answer(server, "/v1/responses", {
+        "input": "Add up the numbers from 1 to 50.", "tools": [{"type": "function", **ADD_TOOLS[0]["function"]}],
+        "tool_choice": "required", "max_output_tokens": 12, "temperature": 1.0, "seed": 4})
+    assert response["status"] == "incomplete"
+    assert response["incomplete_details"] == {"reason": "max_output_tokens", "output_closure": "unclosable"}
+    assert not [item for item in response["output"] if item["type"] == "function_call"]
+
+
+# ---- /openapi.json types the answers ------------------------------------------------------------
+def test_answers_match_the_bodies_openapi_documents(server):
+    import httpx
+
+    doc = httpx.get(server + "/openapi.json", timeout=30).json()
+    paths = doc["paths"]
+
+    def check(instance: dict, path: str, media: str = "application/json") -> None:
+        ref = paths[path]["post"]["responses"]["200"]["content"][media]["schema"]["$ref"]
+        jsonschema.validate(instance, {"$ref": ref, "components": doc["components"]})
+
+    chat = answer(server, "/v1/chat/completions", {"messages": ASK, "tools": TOOLS, "tool_choice": "required",
+                                                   "parallel_tool_calls": False, "max_tokens": MAX_TOKENS,
+                                                   "temperature": 0, "logprobs": True, "top_logprobs": 1})
+    assert chat["choices"][0]["message"]["tool_calls"]
+    check(chat, "/v1/chat/completions")
+    closed = answer(server, "/v1/chat/completions", {"messages": LIST_ASK, "response_format": LIST_FORMAT,
+                                                     "max_tokens": 16, "temperature": 0})
+    check(closed, "/v1/chat/completions")
+    assert closed["choices"][0]["output_closure"] == "closed"
+    with pytest.raises(jsonschema.ValidationError):  # the check can fail
+        check({**closed, "choices": [{**closed["choices"][0], "output_closure": "half"}]}, "/v1/chat/completions")
+    check(answer(server, "/v1/completions", {"prompt": "The sky is", "max_tokens": 4, "temperature": 0,
+                                             "logprobs": 1}), "/v1/completions")
+    response = answer(server, "/v1/responses", {"input": "What is the weather in Paris?", "tools": RESPONSES_TOOLS,
+                                                "tool_choice": "required", "parallel_tool_calls": False,
+                                                "max_output_tokens": MAX_TOKENS, "temperature": 0})
+    check(response, "/v1/responses")
+    assert [item["type"] for item in response["output"]] == ["function_call"]
+    for path in ("/v1/chat/completions", "/v1/responses"):
+        ref = paths[path]["post"]["responses"]["200"]["content"]["text/event-stream"]["schema"]["$ref"]
+        assert ref.rsplit("/", 1)[1] in doc["components"]["schemas"]
+    assert "output_closure" in doc["components"]["schemas"]["ChatChunkChoice"]["properties"]

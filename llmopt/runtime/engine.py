@@ -19,6 +19,7 @@ import torch
 
 from llmopt.loader import LoadedModel
 from llmopt.errors import LlmoptError
+from llmopt.runtime.closing import CLOSING_WINDOW, output_closure
 from llmopt.runtime.config import EngineConfig, available_memory_bytes, resolve_kv_cache_dtype
 from llmopt.runtime.detokenizer import IncrementalDetokenizer
 from llmopt.runtime.kv_cache_manager import KVCacheManager
@@ -309,11 +310,42 @@ class LLMEngine(EngineFrontend):
             if self.num_constrained:
                 for (seq, _), request in zip(plain, requests):
                     if seq.matcher is not None:
-                        request.allowed_ids = self.structured_outputs.allowed_tokens(seq.matcher)
+                        request.allowed_ids = self._allowed(seq)
             logits = step.logits if len(plain) == row else step.logits[[r for _, r in plain]]
-            for seq, result in zip((s for s, _ in plain), sample_batch(logits, requests)):
+            results = sample_batch(logits, requests)
+            if self.num_constrained:
+                self._keep_closable(plain, requests, results, logits)
+            for seq, result in zip((s for s, _ in plain), results):
                 sampled[seq.request_id] = [result]
         return sampled
+
+    def _allowed(self, seq: Sequence) -> torch.Tensor:
+        """A constrained row's mask: its grammar's, or the one token closing mode writes next."""
+        forced = self.structured_outputs.closer().forced_token(seq) if seq.closing is not None else None
+        if forced is None:
+            return self.structured_outputs.allowed_tokens(seq.matcher)
+        only = torch.zeros(self.vocab_size, dtype=torch.bool)
+        only[forced] = True
+        return only
+
+    def _keep_closable(self, plain: list[tuple[Sequence, int]], requests: list[SampleRequest],
+                       results: list[SampleResult], logits: torch.Tensor) -> None:
+        """In the last CLOSING_WINDOW tokens of a constrained row: a sampled token after which its
+        output can no longer be closed within max_tokens is replaced by the closing path's
+        (llmopt.runtime.closing), sampled from the same logits so its logprobs are the model's."""
+        closer = None
+        for i, (seq, _) in enumerate(plain):
+            if seq.matcher is None:
+                continue
+            left = seq.tokens_left(self.max_model_len)
+            if left > CLOSING_WINDOW:
+                continue
+            closer = closer or self.structured_outputs.closer()
+            instead = closer.check(seq, results[i].token_id, left)
+            if instead is not None:
+                requests[i].allowed_ids = torch.zeros(self.vocab_size, dtype=torch.bool)
+                requests[i].allowed_ids[instead] = True
+                results[i] = verify_row(logits[i], requests[i], None)
 
     def _verify(self, seq: Sequence, logits: torch.Tensor, drafts: list[int]) -> list[SampleResult]:
         """Row i of `logits` follows the last known token and drafts[:i]: keep drafts while the target
@@ -382,6 +414,7 @@ def make_output(seq: Sequence, new_ids: list[int]) -> RequestOutput:
         logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
         new_text=seq.detokenizer.new_text(finished=finished),
         new_token_ids=new_ids,
+        output_closure=output_closure(seq) if finished else None,
     )
     metrics = RequestMetrics(seq.arrival_time, seq.first_scheduled_time, seq.first_token_time, seq.finished_time,
                              seq.spec_num_drafts, seq.spec_num_draft_tokens, seq.spec_num_accepted_tokens)

@@ -54,6 +54,9 @@ class CompletionOutput:
     # streaming deltas since the previous output of this request
     new_text: str = ""
     new_token_ids: list[int] = field(default_factory=list)
+    # a constrained output the budget ended (finish_reason "length"): "closed" if llmopt closed it
+    # along its closing path (it is valid), "unclosable" if no closing fitted (it is cut); else None
+    output_closure: str | None = None
 
 
 @dataclass

@@ -22,6 +22,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from llmopt.runtime.closing import CLOSING_WINDOW
 from llmopt.runtime.kv_cache_manager import KVCacheManager
 from llmopt.runtime.sequence import Sequence, SequenceStatus
 from llmopt.runtime.speculative import SpecDecodingStats
@@ -147,10 +148,11 @@ class Scheduler:
 
     def _lookahead(self, seq: Sequence) -> int:
         """Draft tokens a decoding request may verify this step: a step yields up to K + 1 tokens,
-        which must fit max_tokens and the model's length."""
-        left = seq.params.max_tokens - seq.num_output_tokens
-        if self.max_model_len is not None:
-            left = min(left, self.max_model_len - seq.num_tokens)
+        which must fit max_tokens and the model's length; none for a constrained request in its
+        closing window: each of its tokens there is checked against its closing path."""
+        left = seq.tokens_left(self.max_model_len)
+        if seq.matcher is not None and left <= CLOSING_WINDOW:
+            return 0
         return max(0, min(self.num_speculative_tokens, left - 1))
 
     # ---- after a step ---------------------------------------------------------------
@@ -217,7 +219,9 @@ class Scheduler:
             # a constrained request's matcher takes every appended token; a finished grammar (only EOS
             # left) ends the request even under ignore_eos
             seq.matcher.consume_token(result.token_id)
-            if seq.finish_reason is None and seq.matcher.is_stopped():
+            if seq.closing is not None and seq.closing.done and seq.stop_reason is None:
+                seq.finish_reason = "length"  # closing mode wrote its path: the budget ended it, closed
+            elif seq.finish_reason is None and seq.matcher.is_stopped():
                 seq.finish_reason = "stop"
 
     def _preempt(self, seq: Sequence) -> None:

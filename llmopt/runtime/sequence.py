@@ -43,6 +43,8 @@ class Sequence:
     prompt_logprobs: list[dict[int, float] | None] | None = None
     # with params.structured_outputs: the llguidance matcher, advanced by every appended token
     matcher: Any = None
+    # a constrained request in its budget's last tokens: its closing path (llmopt.runtime.closing)
+    closing: Any = None
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: str | int | None = None  # the stop string or stop token that ended it
     num_preemptions: int = 0
@@ -80,6 +82,13 @@ class Sequence:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
+
+    def tokens_left(self, max_model_len: int | None) -> int:
+        """Output tokens this request may still get: what max_tokens and the model's length leave."""
+        left = self.params.max_tokens - self.num_output_tokens
+        if max_model_len is not None:
+            left = min(left, max_model_len - self.num_tokens)
+        return left
 
     @property
     def is_finished(self) -> bool:

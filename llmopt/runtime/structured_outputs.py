@@ -4,8 +4,9 @@ a choice of strings or a Lark grammar (vLLM's `StructuredOutputsParams`).
 The grammar back end is llguidance (PyPI `llguidance`, one self-contained wheel; vLLM's
 `guidance` back end): it compiles the constraint against the tokenizer once per request and,
 each step, gives the set of tokens that keep the output inside the grammar. EOS is in that
-set only where the grammar accepts, so a constrained output ends complete (or is cut by
-max_tokens: finish_reason "length"). JSON is compact-with-spaces (`{"a": 1, "b": [2, 3]}`):
+set only where the grammar accepts, so a constrained output ends complete; near max_tokens
+`llmopt.runtime.closing` closes it (finish_reason "length", output_closure "closed") or says it
+could not ("unclosable"). JSON is compact-with-spaces (`{"a": 1, "b": [2, 3]}`):
 flexible whitespace would let a small model emit newlines forever.
 
 Only constrained requests pay anything: the engine builds a matcher for them at
@@ -24,6 +25,7 @@ import numpy as np
 import torch
 
 from llmopt.errors import LlmoptError
+from llmopt.runtime.closing import ClosingPaths, OutputCloser
 
 _LLG_TOKENIZER_LOCK = threading.Lock()
 
@@ -88,6 +90,7 @@ class StructuredOutputManager:
     tokenizer: Any  # llmopt.core.tokenizer.Tokenizer
     vocab_size: int  # the model's (may exceed the tokenizer's)
     _ll_tokenizer: Any = field(default=None, init=False, repr=False)
+    _closer: OutputCloser | None = field(default=None, init=False, repr=False)
 
     def _llg_tokenizer(self) -> Any:
         with _LLG_TOKENIZER_LOCK:  # compile() runs on the server's worker threads: build it once
@@ -134,6 +137,12 @@ class StructuredOutputManager:
         naming the problem if the constraint is invalid."""
         self.compile(params)
         return params.compiled[1].deep_copy()
+
+    def closer(self) -> OutputCloser:
+        """What keeps this engine's constrained outputs closable within max_tokens (built on first use)."""
+        if self._closer is None:
+            self._closer = OutputCloser(ClosingPaths(self._llg_tokenizer(), self.tokenizer.eos_token_ids))
+        return self._closer
 
     def allowed_tokens(self, matcher: Any) -> torch.Tensor:
         """bool [vocab_size]: the tokens the matcher accepts next (EOS only where the grammar may end)."""

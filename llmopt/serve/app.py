@@ -20,6 +20,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic.json_schema import models_json_schema
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -31,6 +32,7 @@ from llmopt.serve.disconnect import BodyTimeout, BodyTooLarge, read_body, run_un
 from llmopt.serve.metrics import ServerMetrics
 from llmopt.serve.protocol import RequestError, error_body
 from llmopt.serve.request_path import ServeConfig, Serving
+from llmopt.serve.response_bodies import STREAM_MODELS
 from llmopt.serve.routes import chat, completions, health, models, responses
 
 __all__ = ["ServeConfig", "build_app"]
@@ -62,14 +64,21 @@ def build_app(engine: ServingEngine, config: ServeConfig) -> FastAPI:
 
 def _openapi(app: FastAPI) -> dict[str, Any]:
     """FastAPI's document without the 422 answers it adds to every route with a body: ours are 400s
-    (`_on_validation_error`), declared with the other refusals (protocol.ERROR_RESPONSES)."""
+    (`_on_validation_error`), declared with the other refusals (protocol.ERROR_RESPONSES); with
+    the streamed bodies (`response_bodies.STREAM_MODELS`)."""
     if app.openapi_schema is None:
         schema = FastAPI.openapi(app)
         for operations in schema["paths"].values():
             for operation in operations.values():
                 operation["responses"].pop("422", None)
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
         for name in ("HTTPValidationError", "ValidationError"):
-            schema.get("components", {}).get("schemas", {}).pop(name, None)
+            components.pop(name, None)
+        # the streams' chunk and event bodies, which the routes' text/event-stream answers refer to
+        _, defs = models_json_schema([(m, "serialization") for m in STREAM_MODELS],
+                                     ref_template="#/components/schemas/{model}")
+        for name, definition in defs.get("$defs", {}).items():
+            components.setdefault(name, definition)
         app.openapi_schema = schema
     return app.openapi_schema
 

@@ -1,8 +1,9 @@
 """OpenAI request schemas: what we read from a request, validated.
 
 Unknown fields are accepted (clients send many) and reported by `ignored_fields` so the app
-can log each name once; a known OpenAI field llmopt cannot honour (`tools`, `logit_bias`,
-`suffix`, ...) is refused by `check_supported` rather than dropped.
+can log each name once; a known OpenAI field llmopt cannot honour (`logit_bias`, `suffix`,
+the legacy `functions`, `tools` on completions, ...) is refused by `check_supported` rather than
+dropped.
 """
 
 from __future__ import annotations

@@ -303,6 +303,13 @@ def finish_reason(reason: str | None) -> str | None:
     return {"abort": "stop", "error": "stop"}.get(reason, reason)
 
 
+def closure(chunk_choice: dict[str, Any], c: CompletionOutput) -> dict[str, Any]:
+    """A streamed choice, with the output's `output_closure` on the chunk that finishes it (if set)."""
+    if c.output_closure is not None and chunk_choice.get("finish_reason") is not None:
+        chunk_choice["output_closure"] = c.output_closure
+    return chunk_choice
+
+
 def usage(choices: list[Choice], finals: dict[int, RequestOutput]) -> dict[str, int]:
     # prompts shared by n samples are counted once per distinct prompt, as OpenAI does
     prompt_tokens = sum(len(ids) for ids in {tuple(c.prompt_ids): c.prompt_ids for c in choices}.values())

@@ -39,7 +39,10 @@ class ResponsesRequest(BaseModel):
          "tool_choice": "required", "stream": True},
     ]})
     model: str | None = None
-    input: Union[str, list[dict[str, Any]]]
+    input: Union[str, list[dict[str, Any]]] = Field(description=(
+        "A user message, or the conversation as items: messages `{\"role\", \"content\"}` (content a "
+        "string or input_text / output_text parts), `{\"type\": \"function_call\", \"call_id\", \"name\", "
+        "\"arguments\"}` and `{\"type\": \"function_call_output\", \"call_id\", \"output\"}`"))
     instructions: str | None = None
     tools: list[ResponsesFunctionTool] | None = None
     tool_choice: Union[Literal["none", "auto", "required"], ResponsesNamedChoice, None] = None
@@ -48,7 +51,9 @@ class ResponsesRequest(BaseModel):
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
-    text: dict[str, Any] | None = None  # {"format": {"type": "text" | "json_object" | "json_schema", ...}}
+    text: dict[str, Any] | None = Field(default=None, description=(
+        "`{\"format\": {\"type\": \"text\" | \"json_object\" | \"json_schema\", \"name\", \"schema\", "
+        "\"strict\"}}`"))
     stream: bool = False
     store: bool | None = None
     previous_response_id: str | None = None

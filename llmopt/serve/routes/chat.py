@@ -11,13 +11,15 @@ from fastapi.responses import StreamingResponse
 
 from llmopt.runtime.outputs import CompletionOutput, RequestOutput
 from llmopt.serve.protocol import ERROR_RESPONSES, ChatCompletionRequest
-from llmopt.serve.request_path import Choice, FreshTokens, Renderer, ServingDep, finish_reason
+from llmopt.serve.response_bodies import ChatCompletion, ChatCompletionChunk, ok_response
+from llmopt.serve.request_path import Choice, FreshTokens, Renderer, ServingDep, closure, finish_reason
 from llmopt.serve.tools import CallStream, ToolPlan, new_call_id, read
 
 router = APIRouter(tags=["chat"], responses=ERROR_RESPONSES)
 
 
 @router.post("/v1/chat/completions", response_model=None,
+             responses=ok_response(ChatCompletion, ChatCompletionChunk, "A chat.completion"),
              summary="OpenAI chat completions: a chat.completion, or server-sent chunks with stream: true")
 async def chat_completions(body: ChatCompletionRequest, serving: ServingDep) -> dict[str, Any] | StreamingResponse:
     config = serving.config
@@ -42,7 +44,8 @@ class ChatRenderer(Renderer):
         message: dict[str, Any] = {"role": "assistant", "content": c.text}
         reason = finish_reason(c.finish_reason)
         if self.plan is not None:
-            # a call cut by max_tokens is left out: a returned call always parses
+            # a call cut by max_tokens (output_closure "unclosable") is left out: a returned call
+            # always parses
             snap = read(c.text, self.plan.format, final=True)
             calls = [call for call in snap.calls if call.complete]
             if calls:
@@ -55,7 +58,7 @@ class ChatRenderer(Renderer):
                 message["content"] = snap.content
         return {"index": choice.index, "message": message,
                 "logprobs": self._logprobs(c.token_ids, c.logprobs) if self.body.logprobs else None,
-                "finish_reason": reason}
+                "finish_reason": reason, "output_closure": c.output_closure}
 
     def intro(self, choice: Choice) -> dict[str, Any]:
         return {"index": choice.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
@@ -64,8 +67,8 @@ class ChatRenderer(Renderer):
     def delta(self, choice: Choice, c: CompletionOutput, fresh: FreshTokens, finish: str | None) -> dict[str, Any]:
         lp = self._logprobs(*fresh) if self.body.logprobs and fresh else None
         if self.plan is None:
-            return {"index": choice.index, "delta": {"content": c.new_text} if c.new_text else {}, "logprobs": lp,
-                    "finish_reason": finish}
+            return closure({"index": choice.index, "delta": {"content": c.new_text} if c.new_text else {},
+                            "logprobs": lp, "finish_reason": finish}, c)
         # as OpenAI streams calls: the first delta of a call has its id, type and name, later ones
         # append to its arguments
         stream = self.calls.setdefault(choice.index, CallStream(self.plan.format))
@@ -77,7 +80,7 @@ class ChatRenderer(Renderer):
                                    {"index": d.index, "function": {"arguments": d.arguments}} for d in calls]
         if finish == "stop" and stream.complete_calls:
             finish = "tool_calls"
-        return {"index": choice.index, "delta": delta, "logprobs": lp, "finish_reason": finish}
+        return closure({"index": choice.index, "delta": delta, "logprobs": lp, "finish_reason": finish}, c)
 
     def _logprobs(self, token_ids: list[int], logprobs: list[dict[int, float]] | None) -> dict[str, Any]:
         """OpenAI's chat logprobs object: per token its text, logprob, bytes and the top N alternatives."""

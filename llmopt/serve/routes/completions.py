@@ -10,7 +10,8 @@ from fastapi.responses import StreamingResponse
 
 from llmopt.runtime.outputs import CompletionOutput, RequestOutput
 from llmopt.serve.protocol import ERROR_RESPONSES, CompletionRequest
-from llmopt.serve.request_path import Choice, FreshTokens, Renderer, ServingDep, finish_reason
+from llmopt.serve.response_bodies import TextCompletion, ok_response
+from llmopt.serve.request_path import Choice, FreshTokens, Renderer, ServingDep, closure, finish_reason
 
 router = APIRouter(tags=["completions"], responses=ERROR_RESPONSES)
 
@@ -19,6 +20,7 @@ PromptScores = list[dict[int, float] | None] | None
 
 
 @router.post("/v1/completions", response_model=None,
+             responses=ok_response(TextCompletion, TextCompletion, "A text_completion"),
              summary="OpenAI completions: a text_completion, or server-sent chunks with stream: true")
 async def completions(body: CompletionRequest, serving: ServingDep) -> dict[str, Any] | StreamingResponse:
     return await serving.respond(await serving.prepare(body), CompletionRenderer(serving, body))
@@ -41,7 +43,8 @@ class CompletionRenderer(Renderer):
         body, c = self.body, out.outputs[0]
         doc: dict[str, Any] = {"index": choice.index,
                                "text": (self.serving.echo_text(choice) if body.echo else "") + c.text,
-                               "logprobs": None, "finish_reason": finish_reason(c.finish_reason)}
+                               "logprobs": None, "finish_reason": finish_reason(c.finish_reason),
+                               "output_closure": c.output_closure}
         if body.logprobs is not None:
             prompt = (choice.prompt_ids, out.prompt_logprobs) if body.echo else None
             doc["logprobs"] = self._logprobs(c.token_ids, c.logprobs, prompt)
@@ -70,7 +73,7 @@ class CompletionRenderer(Renderer):
 
     def delta(self, choice: Choice, c: CompletionOutput, fresh: FreshTokens, finish: str | None) -> dict[str, Any]:
         lp = self._logprobs(*fresh) if self.body.logprobs is not None and fresh else None
-        return {"index": choice.index, "text": c.new_text, "logprobs": lp, "finish_reason": finish}
+        return closure({"index": choice.index, "text": c.new_text, "logprobs": lp, "finish_reason": finish}, c)
 
     def _logprobs(self, token_ids: list[int], logprobs: list[dict[int, float]] | None,
                   prompt: tuple[list[int], PromptScores] | None = None) -> dict[str, Any]:

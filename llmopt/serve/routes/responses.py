@@ -19,6 +19,7 @@ from fastapi.responses import StreamingResponse
 
 from llmopt.runtime.outputs import RequestOutput
 from llmopt.serve.protocol import ERROR_RESPONSES, ChatCompletionRequest
+from llmopt.serve.response_bodies import Response, ResponseStreamEvent, ok_response
 from llmopt.serve.request_path import CheckedRequest, Serving, ServingDep
 from llmopt.serve.responses_protocol import ResponsesRequest
 from llmopt.serve.tools import CallStream, read
@@ -27,6 +28,7 @@ router = APIRouter(tags=["responses"], responses=ERROR_RESPONSES)
 
 
 @router.post("/v1/responses", response_model=None,
+             responses=ok_response(Response, ResponseStreamEvent, "A response"),
              summary="OpenAI Responses API (stateless): a response, or server-sent events with stream: true")
 async def responses(body: ResponsesRequest, serving: ServingDep) -> dict[str, Any] | StreamingResponse:
     chat = body.chat_request()
@@ -63,7 +65,7 @@ class ResponseWriter:
         doc: dict[str, Any] = {
             "id": self.id, "object": "response", "created_at": self.created_at, "status": status,
             "model": self.serving.config.served_model_name, "output": output, "error": None,
-            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+            "incomplete_details": None,
             "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
             "parallel_tool_calls": body.parallel_tool_calls, "previous_response_id": None, "store": False,
             "temperature": self.chat.temperature, "top_p": self.chat.top_p,
@@ -73,6 +75,9 @@ class ResponseWriter:
         }
         if doc["tool_choice"] is None:
             doc["tool_choice"] = "auto"
+        if status == "incomplete":
+            closed = out.outputs[0].output_closure if out is not None else None
+            doc["incomplete_details"] = {"reason": "max_output_tokens", "output_closure": closed}
         if out is not None:
             prompt, completion = len(out.prompt_token_ids), len(out.outputs[0].token_ids)
             doc["usage"] = {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": out.num_cached_tokens},
@@ -103,7 +108,8 @@ class ResponseWriter:
         if plan is None:
             output.append(self.message_item(text))
         else:
-            # a call cut by max_output_tokens is left out: a returned call always parses
+            # a call cut by max_output_tokens (output_closure "unclosable") is left out: a returned
+            # call always parses
             snap = read(text, plan.format, final=True)
             calls = [call for call in snap.calls if call.complete]
             if snap.content or not calls:
