@@ -181,11 +181,15 @@ def test_structured_output_holds_under_speculation(tiny, tiny_models):
     pytest.importorskip("llguidance")
     import re
 
+    from llmopt.runtime.closing import CLOSING_WINDOW
     from llmopt.runtime.structured_outputs import StructuredOutputsParams
 
     so = StructuredOutputsParams(regex=r"[0-9]{3}-[a-z]{2}")
-    sampled = [SamplingParams(max_tokens=30, temperature=1.0, seed=i, structured_outputs=so) for i in range(6)]
-    greedy = SamplingParams(max_tokens=30, temperature=0, structured_outputs=so)
+    # a budget beyond the closing window (llmopt.runtime.closing): inside it a constrained row
+    # does not speculate, each of its tokens is checked against its closing path instead
+    budget = CLOSING_WINDOW + 36
+    sampled = [SamplingParams(max_tokens=budget, temperature=1.0, seed=i, structured_outputs=so) for i in range(6)]
+    greedy = SamplingParams(max_tokens=budget, temperature=0, structured_outputs=so)
     spec = dict(model=str(tiny_models["llama"]), num_speculative_tokens=4)
     outs, engine = spec_run(tiny, spec, ["the cat"] * 7, sampled + [greedy], num_kv_blocks=256)
     for out in outs:
