@@ -208,7 +208,7 @@ def quantize(req: QuantizeRequest, on_layer: Callable[[int, int], None] | None =
                       calib_self=req.calib == "self", quantize_lm_head=req.quantize_lm_head,
                       gguf_type=req.gguf_type if fmt == "gguf" else None),
         f"quantize --method {req.method}",
-        _memory_hint(req, fmt) + (self_hint if calibrated and req.calib == "self" else ""))
+        _memory_hint(req) + (self_hint if calibrated and req.calib == "self" else ""))
     if calibrated and calib is None:
         t0 = time.perf_counter()
         calib = _self_calibration(req, source)
@@ -272,7 +272,7 @@ def quantize(req: QuantizeRequest, on_layer: Callable[[int, int], None] | None =
     return report
 
 
-def _memory_hint(req: QuantizeRequest, fmt: str) -> str:
+def _memory_hint(req: QuantizeRequest) -> str:
     if req.method != "gguf":
         return "lower --num-samples/--seq-len or use --dtype bfloat16"
     from llmopt.quant.gguf_export import K_QUANT_TYPES

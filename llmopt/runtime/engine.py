@@ -324,9 +324,12 @@ class LLMEngine(EngineFrontend):
         forced = self.structured_outputs.closer().forced_token(seq) if seq.closing is not None else None
         if forced is None:
             return self.structured_outputs.allowed_tokens(seq.matcher)
-        only = torch.zeros(self.vocab_size, dtype=torch.bool)
-        only[forced] = True
-        return only
+        return self._only(forced)
+
+    def _only(self, token_id: int) -> torch.Tensor:
+        mask = torch.zeros(self.vocab_size, dtype=torch.bool)
+        mask[token_id] = True
+        return mask
 
     def _keep_closable(self, plain: list[tuple[Sequence, int]], requests: list[SampleRequest],
                        results: list[SampleResult], logits: torch.Tensor) -> None:
@@ -343,8 +346,7 @@ class LLMEngine(EngineFrontend):
             closer = closer or self.structured_outputs.closer()
             instead = closer.check(seq, results[i].token_id, left)
             if instead is not None:
-                requests[i].allowed_ids = torch.zeros(self.vocab_size, dtype=torch.bool)
-                requests[i].allowed_ids[instead] = True
+                requests[i].allowed_ids = self._only(instead)
                 results[i] = verify_row(logits[i], requests[i], None)
 
     def _verify(self, seq: Sequence, logits: torch.Tensor, drafts: list[int]) -> list[SampleResult]:
