@@ -81,8 +81,7 @@ def quantize_plan(config: ModelConfig, method: str, fmt: str, num_samples: int, 
         tokens = num_samples * seq_len
         # at down_proj's hook: the residual and normed input (h each) and the MLP product (i) in
         # the compute dtype; AWQ's scaled input and the clip search's grouped copy (i each, float32),
-        # and the hook's float32 copy of the input where the compute dtype is not float32. (An 8B
-        # AWQ 64 x 256 run in float32 peaked at 5.5 GiB in all; this part is then 3.1 GiB.)
+        # and the hook's float32 copy of the input where the compute dtype is not float32
         parts["activations"] = tokens * ((2 * h + i) * b + 2 * i * 4 + (i * 4 if b != 4 else 0))
         parts["attention"] = tokens * (q + 2 * kv) * b * 2
     if fmt == "gguf" and method != "gguf":
