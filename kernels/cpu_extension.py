@@ -11,6 +11,8 @@ One Python module:
   above (`llmopt/runtime/cpu_decode_plan.py` builds it from the model).
 - `rms_norm`, `add_rms_norm`, `rotary_embedding_`, `silu_and_mul`: the small per-layer ops
   fused (`cpu_fused.py`; the decoder in `llmopt/model/llama.py` uses them).
+- `cpu_isa`, `cpu_isa_supported`, `set_cpu_isa`: the SIMD path the kernels take, chosen at
+  run time from what the build and the CPU have (`csrc/isa.h`), capped by `LLMOPT_CPU_ISA`.
 
 They are built with `torch.utils.cpp_extension.load` (g++ and ninja) into
 `$LLMOPT_CACHE/torch_extensions/<hash>/`, the hash covering the CPU model and flags (the
@@ -110,8 +112,11 @@ def cpu_ops() -> ModuleType | None:
             fcntl.flock(guard, fcntl.LOCK_EX)
             (folder / "lock").unlink(missing_ok=True)
             sources = _sources_in(folder)
-            return load(name="llmopt_cpu_ops", sources=[str(s) for s in sources], extra_cflags=CFLAGS,
-                        extra_ldflags=["-fopenmp"], build_directory=str(folder), verbose=False)
+            ops = load(name="llmopt_cpu_ops", sources=[str(s) for s in sources], extra_cflags=CFLAGS,
+                       extra_ldflags=["-fopenmp"], build_directory=str(folder), verbose=False)
+        log.info("llmopt's CPU kernels: %s path (this CPU and build allow %s; LLMOPT_CPU_ISA caps it)",
+                 ops.cpu_isa(), ops.cpu_isa_supported())
+        return ops
     except Exception as exc:  # no compiler, no ninja, a build error: the PyTorch paths still work
         log.warning("llmopt's CPU kernels unavailable (%s); using the PyTorch paths",
                     str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
@@ -121,4 +126,12 @@ def cpu_ops() -> ModuleType | None:
 def kernels_identity() -> str | None:
     """What the CPU kernels' numerics depend on (sources, flags, CPU, torch), or None when
     they are not in use: caches of computed scores include it in their keys."""
-    return _digest() if cpu_ops() is not None else None
+    ops = cpu_ops()
+    return None if ops is None else f"{_digest()}-{ops.cpu_isa()}"
+
+
+def cpu_isa() -> str | None:
+    """The SIMD path the CPU kernels take now (`scalar`, `avx2`, `avx512`, `amx`), or None
+    when they are not in use."""
+    ops = cpu_ops()
+    return None if ops is None else ops.cpu_isa()

@@ -1,5 +1,6 @@
 // The Python module of llmopt's CPU kernels (built by kernels/cpu_extension.py).
 #include <torch/extension.h>
+#include "isa.h"
 
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                            torch::Tensor block_tables, torch::Tensor context_lens,
@@ -37,5 +38,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("out_features"), pybind11::arg("group_size"), pybind11::arg("perm") = pybind11::none(), pybind11::arg("bias") = pybind11::none());
   m.def("int8_linear", &int8_linear, release_gil(), "x @ dequant(W).T: 8-bit W per 32 columns, int8-quantized x",
         pybind11::arg("x"), pybind11::arg("codes"), pybind11::arg("scales"), pybind11::arg("out_features"));
+  m.def("cpu_isa", [] { return std::string(llmopt_isa::isa_name(llmopt_isa::active_isa())); },
+        "the SIMD path the kernels take now: scalar, avx2, avx512 or amx");
+  m.def("cpu_isa_supported", [] { return std::string(llmopt_isa::isa_name(llmopt_isa::cpu_supported_isa())); },
+        "the widest path this build and this CPU allow");
+  m.def("set_cpu_isa", [](const std::string& name) {
+          const int isa = llmopt_isa::isa_from_name(name);
+          TORCH_CHECK(isa >= 0, "unknown CPU path '", name, "' (scalar, avx2, avx512, amx)");
+          const int previous = llmopt_isa::isa_cap().exchange(isa);
+          return std::string(llmopt_isa::isa_name(previous));
+        }, "cap the kernels' SIMD path (tests); returns the previous cap");
   register_decode_plan(m);
 }
