@@ -148,18 +148,27 @@ class PackedInt8:
 
 
 def repack_int8(w: torch.Tensor) -> PackedInt8 | None:
-    """fp32 [N, K] -> 8-bit codes with one scale per row and 32 columns (scale = max|w| / 127,
+    """fp32 (or 16-bit) [N, K] -> 8-bit codes with one scale per row and 32 columns (scale = max|w| / 127,
     codes = round(w / scale), as llama.cpp's Q8_0); None when K is not a multiple of 32."""
     n, k = w.shape
     if k % BLOCK or w.numel() == 0:
         return None
-    q, d = quantize_activations(w.float())  # the same rounding as the activations
     tiles = -(-n // TILE)
-    codes = torch.zeros(tiles * TILE, k, dtype=torch.int8)
-    codes[:n] = q.reshape(n, k).to(torch.int8)
-    # [tile, row, block, chunk, byte] -> [tile, block, chunk, row, byte]
-    codes = codes.reshape(tiles, TILE, k // BLOCK, 8, 4).permute(0, 2, 3, 1, 4).reshape(tiles, k * TILE).contiguous()
-    return PackedInt8(codes, _tiled(d.reshape(n, k // BLOCK), n), n)
+    codes = torch.empty(tiles, k * TILE, dtype=torch.int8)
+    scales = torch.empty(n, k // BLOCK)
+    # a few MB of rows at a time: the whole-matrix temporaries of a vocabulary projection would be
+    # several times its fp32 size (GBs at 8B) on top of the weight itself
+    step = TILE * max(1, (1 << 20) // (k * TILE))
+    for start in range(0, tiles * TILE, step):
+        stop = min(start + step, n)
+        q, d = quantize_activations(w[start:stop].float())  # the same rounding as the activations
+        chunk = torch.zeros(min(step, tiles * TILE - start), k, dtype=torch.int8)
+        chunk[: stop - start] = q.reshape(stop - start, k).to(torch.int8)
+        # [tile, row, block, chunk, byte] -> [tile, block, chunk, row, byte]
+        codes[start // TILE: start // TILE + chunk.shape[0] // TILE] = \
+            chunk.reshape(-1, TILE, k // BLOCK, 8, 4).permute(0, 2, 3, 1, 4).reshape(-1, k * TILE)
+        scales[start:stop] = d.reshape(stop - start, k // BLOCK)
+    return PackedInt8(codes, _tiled(scales, n), n)
 
 
 def dequantize_int8(packed: PackedInt8) -> torch.Tensor:

@@ -274,6 +274,35 @@ def test_interrupt_midway_leaves_nothing(tiny_models, calib_file, tmp_path, monk
     assert list(tmp_path.iterdir()) == []
 
 
+def test_sigterm_midway_leaves_nothing(tiny_models, tmp_path):
+    """`kill` (SIGTERM: what `timeout` and CI runners send) ends a quantize run as Ctrl-C does: one
+    error line, and no temporary folder left beside the output. The run is held inside its second
+    layer (a patched layer that sleeps) until the signal comes."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "out"
+    script = ("import sys, time; from llmopt.quant import streaming; real = streaming.quantize_decoder_layer\n"
+              "def held(config, layer, index, *args):\n"
+              "    if index == 1: time.sleep(120)\n"
+              "    return real(config, layer, index, *args)\n"
+              "streaming.quantize_decoder_layer = held\n"
+              "from llmopt.cli.main import main; sys.argv[0] = 'llmopt'; main()")
+    proc = subprocess.Popen([sys.executable, "-c", script, "quantize", str(tiny_models["llama"]), "-o", str(out),
+                             "--method", "rtn", "--group-size", "32"], stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not any(".tmp-" in p.name for p in tmp_path.iterdir()) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.5)  # inside the held layer
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    lines = err.strip().splitlines()
+    assert proc.returncode == 2 and lines[-1].startswith("error: interrupted") and "Traceback" not in err, err
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("name", ["awq", "gptq-act", "gptq-g-1"])
 def test_bf16_load_runs_the_cpu_int4_kernel(quantized, name):
     """bf16 models run AWQ/GPTQ layers on PyTorch's CPU int4 kernel; outputs match the dequantized weights."""

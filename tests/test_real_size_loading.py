@@ -19,6 +19,7 @@ from llmopt.core.quant_formats import unpack_tensors
 from llmopt.core.quantized_weight import QuantizedWeight
 from llmopt.core.source import resolve
 from llmopt.core.weights import INDEX_FILE, CheckpointReader
+from llmopt.kernels.cpu_int4 import repack_int8
 from llmopt.loader import load
 from llmopt.model.int4_linear import CpuInt4Linear, Int4Linear, cpu_int4_linear
 from llmopt.model.llama import checkpoint_names
@@ -79,6 +80,28 @@ def test_int4_layers_hold_the_kernel_layout_of_the_checkpoint(int4_checkpoints):
             assert torch.equal(got[key], want[key]), (module_name, key)
         checked += 1
     assert checked == 12
+
+
+@pytest.mark.parametrize("name", ["awq-rtn", "gptq-act"])  # tied and untied embeddings
+def test_int4_model_keeps_its_vocabulary_tables_in_the_checkpoints_16_bits(int4_checkpoints, name):
+    """An fp32 int4 model's embedding and output tables stay in the checkpoint's fp16 (half their
+    fp32 size; the output projection runs on its int8 copy): the embedding rows it gives and the
+    int8 copy equal those of fp32 tables exactly."""
+    folder = int4_checkpoints[name]
+    model = load(str(folder), dtype="float32").model
+    head = model.lm_head
+    if head.int8_weight is None:
+        pytest.skip("llmopt's CPU kernels are not built here: the output projection keeps fp32 tables")
+    reader = CheckpointReader.from_folder(folder)
+    table = reader.get("model.embed_tokens.weight")
+    assert table.dtype == torch.float16
+    assert model.model.embed_tokens.weight.dtype == head.weight.dtype == torch.float16
+    assert (head.weight is model.model.embed_tokens.weight) == ("lm_head.weight" not in reader)
+    ids = torch.tensor([0, 5, 17, table.shape[0] - 1])
+    rows = model.model.embed(ids)
+    assert rows.dtype == torch.float32 and torch.equal(rows, table.float()[ids])
+    wide = repack_int8(reader.get("lm_head.weight" if "lm_head.weight" in reader else "model.embed_tokens.weight").float())
+    assert torch.equal(head.int8_weight.codes, wide.codes) and torch.equal(head.int8_weight.scales, wide.scales)
 
 
 @pytest.mark.parametrize("kind", sorted(TINY_CONFIGS))

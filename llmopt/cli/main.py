@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import signal
 import sys
 
 import typer
@@ -71,5 +72,12 @@ app.add_typer(bench_cmd.app, name="bench")
 app.add_typer(models_cmd.app, name="models")
 
 
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
 def main() -> None:
+    # `kill`, `timeout` and CI runners stop a job with SIGTERM: end the command as Ctrl-C does, so
+    # its temporary outputs are removed on the way out (a server's own handlers replace this one)
+    signal.signal(signal.SIGTERM, _interrupt)
     app()

@@ -3,19 +3,27 @@
 from __future__ import annotations
 
 import ctypes
+import functools
 import ctypes.util
 from pathlib import Path
 
 
+@functools.cache
+def _malloc_trim():
+    """glibc's malloc_trim, or None (not glibc). Looked up once: find_library runs ldconfig."""
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim
+    except (OSError, AttributeError, TypeError):
+        return None
+
+
 def release_freed_memory() -> None:
     """glibc keeps freed blocks in its heaps; passes that allocate and free hundreds of MB
-    per step (quantizing layer after layer) then creep upwards in resident memory, hundreds of
-    MB over a small model's layers. malloc_trim returns them."""
-    name = ctypes.util.find_library("c")
-    try:
-        ctypes.CDLL(name).malloc_trim(0)
-    except (OSError, AttributeError, TypeError):  # not glibc: nothing to trim
-        pass
+    per step (quantizing or loading layer after layer) then creep upwards in resident memory,
+    hundreds of MB over a small model's layers. malloc_trim returns them."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
 
 
 def available_memory_bytes() -> int | None:

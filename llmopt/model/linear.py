@@ -75,9 +75,9 @@ class DenseLinear(LinearBase):
 
     def use_compact_copy(self, kind: str) -> bool:
         """Multiply fp32 CPU inputs by a "bf16" or "int8" copy of the weight from now on; False
-        (and no copy) where the kernel is not available or the weight is not fp32 on CPU."""
-        w = self.weight
-        if w.device.type != "cpu" or w.dtype != torch.float32:
+        (and no copy) where the kernel is not available or the weight is not on CPU."""
+        w = self.weight  # fp32, or a 16-bit checkpoint's table kept as it was (`llmopt.loader`)
+        if w.device.type != "cpu" or w.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             return False
         if kind == "bf16":
             kernel = skinny_linear_kernel()

@@ -112,8 +112,13 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config)
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The input rows in the compute dtype: the table may be held in its checkpoint's 16-bit
+        dtype beside fp32 layers (an int4 model's, `llmopt.loader`), and the cast is exact."""
+        return self.embed_tokens(input_ids).to(self.norm.weight.dtype)
+
     def forward(self, input_ids, positions, attn: AttentionBackend) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
+        x = self.embed(input_ids)
         cos, sin = self.rotary_emb(positions, x.dtype)
         for layer in self.layers:
             x = layer(x, cos, sin, attn)

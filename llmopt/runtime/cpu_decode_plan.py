@@ -72,7 +72,7 @@ def run_decode_plan(plan: Any, model: LlamaForCausalLM, input_ids: torch.Tensor,
     if input_ids.shape[0] > SKINNY_MAX_ROWS:
         return None
     with torch.inference_mode():
-        x = model.model.embed_tokens(input_ids)
+        x = model.model.embed(input_ids)
         cos, sin = model.model.rotary_emb(positions, x.dtype)
         if not (cos.is_contiguous() and sin.is_contiguous()):
             return None
