@@ -6,7 +6,13 @@ generating `output_len` tokens greedily with EOS ignored, all added at once. Mea
 iteration: prefill time (until every sequence has its first token), decode time per step (the
 rest, over output_len - 1 steps) and the end-to-end time; reported as medians, with prompt
 processing (pp) and token generation (tg) tokens/s as llama-bench names them. Engines: llmopt's
-runtime (any B) and llama-cpp-python on a GGUF (B = 1: its Python API runs one sequence).
+runtime (any B) and llama.cpp on a GGUF at B = 1: its own C++ `llama-bench` where built
+(`scripts/build_llama_cpp.sh`, llmopt/bench/llama_cpp_bin.py), else llama-cpp-python's Python API.
+
+llama-bench times its own loop, on llmopt's thread count and `num_iters` repetitions: its ppN
+(`input_len` prompt tokens in one batch) and tgN (`output_len` tokens from an empty context), the
+figures llama.cpp users quote, and tgN @ dN (`output_len` tokens after `input_len` of context: the
+context llmopt's decode steps run at), each as a row of its own.
 
 The roofline: bytes a decode step reads at the mean context (llmopt/bench/roofline.py) over the
 measured read bandwidth gives the ideal tg tokens/s; achieved / ideal is the model bandwidth
@@ -96,9 +102,14 @@ def run_latency(config: LatencyConfig, progress: Callable[[str], None] | None = 
     runs = []
     for engine in config.engines:
         sizes = config.batch_sizes if engine == "llmopt" else [1]
+        binaries = _llama_bench_binaries() if engine == "llama.cpp" else None
         if progress:
-            progress(f"{engine}: batch sizes {', '.join(map(str, sizes))}")
-        runs += isolated(_measure_engine, engine, config, sizes, bandwidth)
+            progress(f"{engine}: " + (f"llama-bench ({binaries.origin})" if binaries
+                                      else f"batch sizes {', '.join(map(str, sizes))}"))
+        if binaries is not None:
+            runs += llama_bench_runs(config, binaries, bandwidth)
+        else:
+            runs += isolated(_measure_engine, engine, config, sizes, bandwidth)
     config_dict = asdict(config)
     config_dict["read_bandwidth_gb_s"] = bandwidth / 1e9
     return results_document("latency", collect_metadata(), config_dict, runs)
@@ -230,10 +241,67 @@ def _figures(engine: str, measure: _Measurer, batch: int, config: LatencyConfig,
     }
     if measure.step_bytes is not None:
         # the mean context over the decode steps
-        step_bytes = measure.step_bytes(batch, config.input_len + config.output_len // 2)
-        ideal = batch * bandwidth / step_bytes
-        run.update(decode_step_bytes=step_bytes, ideal_tg_tok_s=ideal, mbu=run["tg_tok_s"] / ideal)
+        _add_roofline(run, measure.step_bytes(batch, config.input_len + config.output_len // 2), bandwidth)
     return run
+
+
+def _add_roofline(run: dict[str, Any], step_bytes: int, bandwidth: float) -> None:
+    ideal = run["batch_size"] * bandwidth / step_bytes
+    run.update(decode_step_bytes=step_bytes, ideal_tg_tok_s=ideal, mbu=run["tg_tok_s"] / ideal)
+
+
+def _llama_bench_binaries():
+    """llama.cpp's binaries where built for this CPU, else None (the engine is llama-cpp-python then)."""
+    from llmopt.bench.llama_cpp_bin import find_binaries
+
+    try:
+        return find_binaries("llama-bench")
+    except LlmoptError:
+        return None
+
+
+def _test(tests, kind: str):
+    """The pp (prompt only) or tg (generation only) test of a llama-bench run."""
+    for test in tests:
+        if (test.n_gen == 0) if kind == "pp" else (test.n_prompt == 0):
+            return test
+    raise LlmoptError(f"llama-bench reported no {kind} test")
+
+
+def llama_bench_runs(config: LatencyConfig, binaries, bandwidth: float) -> list[dict[str, Any]]:
+    """llama-bench's ppN + tgN and its tgN @ dN on the model's GGUF at batch 1, as latency rows (one
+    skipped row saying why where llama-bench fails, e.g. crashes)."""
+    import torch
+
+    from llmopt.bench.llama_bench import llama_bench_command, run_llama_bench
+    from llmopt.bench.roofline import gguf_decode_step_bytes
+
+    path = gguf_file(config.model, config.options)
+    threads = config.options.threads or torch.get_num_threads()  # what llmopt's engine process runs on
+    common = dict(threads=threads, repetitions=config.num_iters, warmup=config.num_iters_warmup > 0)
+    try:
+        binary = binaries.path("llama-bench")
+        commands = [llama_bench_command(binary, path, n_prompt=config.input_len, n_gen=config.output_len, **common),
+                    llama_bench_command(binary, path, n_prompt=0, n_gen=config.output_len, depth=config.input_len,
+                                        **common)]
+        fresh, deep = (run_llama_bench(command) for command in commands)
+        pp, tg, tg_deep = _test(fresh, "pp"), _test(fresh, "tg"), _test(deep, "tg")
+    except LlmoptError as exc:
+        return [{"label": f"llama.cpp llama-bench ({binaries.origin})", "engine": "llama.cpp", "skipped": str(exc)}]
+    label = f"llama.cpp llama-bench ({binaries.origin}), {path.name}, {threads} threads"
+    common_run = {"engine": "llama.cpp", "batch_size": 1, "llama_bench_commands": [" ".join(c) for c in commands],
+        "llama_cpp_build": pp.build, "llama_cpp_binaries": str(binaries.folder), "llama_cpp_note": binaries.note,
+        "cpu_info": pp.cpu_info, "backends": pp.backends}
+    runs = []
+    for test, with_pp, context in ((tg, True, config.output_len // 2),
+                                   (tg_deep, False, config.input_len + config.output_len // 2)):
+        run = {**common_run, "label": f"{label}: {pp.name + ', ' if with_pp else ''}{test.name}",
+               "prefill_ms": 1e3 * pp.n_prompt / pp.median_ts if with_pp else None,
+               "pp_tok_s": pp.median_ts if with_pp else None, "decode_step_ms": 1e3 / test.median_ts,
+               "tg_tok_s": test.median_ts, "tests": [asdict(t) for t in ((pp, test) if with_pp else (test,))]}
+        _add_roofline(run, gguf_decode_step_bytes(path, 1, context), bandwidth)
+        runs.append(run)
+    return runs
 
 
 LATENCY_COLUMNS = ["engine, batch", "prefill (ms)", "pp tok/s", "decode step (ms)", "tg tok/s",
@@ -248,6 +316,6 @@ def latency_rows(document: dict[str, Any]) -> list[list[str]]:
             continue
         roof = [f"{run['decode_step_bytes'] / 1e6:.1f}", f"{run['ideal_tg_tok_s']:.1f}", f"{run['mbu']:.0%}"] \
             if "mbu" in run else ["-", "-", "-"]
-        rows.append([run["label"], f"{run['prefill_ms']:.1f}", f"{run['pp_tok_s']:.1f}", f"{run['decode_step_ms']:.2f}",
-                     f"{run['tg_tok_s']:.1f}", *roof])
+        pp = [f"{run['prefill_ms']:.1f}", f"{run['pp_tok_s']:.1f}"] if run.get("pp_tok_s") is not None else ["-", "-"]
+        rows.append([run["label"], *pp, f"{run['decode_step_ms']:.2f}", f"{run['tg_tok_s']:.1f}", *roof])
     return rows

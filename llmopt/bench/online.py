@@ -14,11 +14,11 @@ import math
 from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 from llmopt.bench.datasets import BenchRequest, make_workload
-from llmopt.bench.launch_server import LAUNCHERS, launched_server
+from llmopt.bench.launch_server import LAUNCHERS, gguf_to_serve, launched_server
+from llmopt.bench.llama_cpp_bin import find_binaries
 from llmopt.bench.loadgen import ENDPOINTS, Endpoint, run_load
 from llmopt.bench.online_metrics import RequestResult, compute_metrics
 from llmopt.openai_http import base_url, probe
@@ -114,16 +114,23 @@ def load_points(config: ServeBenchConfig) -> list[LoadPoint]:
     return [LoadPoint(f"rate={_rate_label(config.request_rate)}", config.request_rate, config.max_concurrency)]
 
 
+def server_slots(points: list[LoadPoint]) -> int:
+    """The requests a launched llama-server decodes together (`-np`): the most any load point keeps
+    in flight, 16 where none is bounded."""
+    bounded = [p.max_concurrency for p in points if p.max_concurrency is not None]
+    return max(bounded) if bounded else 16
+
+
 def check_config(config: ServeBenchConfig) -> None:
     """Bad flags, before anything starts."""
     if (config.url is None) == (config.model is None):
         raise LlmoptError("give either --url (a running server) or --model SPEC (launch `llmopt serve SPEC`)")
     if config.launch not in LAUNCHERS:
         raise LlmoptError(f"unknown --launch {config.launch!r}; choose {', '.join(LAUNCHERS)}")
-    if config.model is not None and config.launch == "llama-cpp" and config.model != "default":
-        path = Path(config.model).expanduser()
-        if path.suffix != ".gguf" or not path.is_file():
-            raise LlmoptError(f"--launch llama-cpp serves a .gguf file; {config.model!r} is not one")
+    if config.model is not None and config.launch in ("llama-cpp", "llama-server") and config.model != "default":
+        gguf_to_serve(config.launch, config.model)
+    if config.model is not None and config.launch == "llama-server":
+        find_binaries("llama-server").path("llama-server")  # not built: say how, before any work
     if config.endpoint not in ENDPOINTS:
         raise LlmoptError(f"unknown --endpoint {config.endpoint!r}; choose {', '.join(ENDPOINTS)}")
     if not config.request_rate > 0:
@@ -173,7 +180,7 @@ def run_serve_bench(config: ServeBenchConfig, tokenizer=None,
     with ExitStack() as stack:
         if config.url is None:  # launched only once the workload is known to be good
             url = stack.enter_context(launched_server(config.launch, config.model, config.serve_args,
-                                                      config.server_timeout))
+                                                      config.server_timeout, server_slots(points)))
             name = probe(url, config.api_key, config.served_model_name)
         endpoint = Endpoint(url, config.endpoint, name, config.api_key, config.temperature, config.ignore_eos,
                             config.timeout)

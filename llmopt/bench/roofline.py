@@ -12,6 +12,7 @@ DIMMs' datasheet figure.
 
 from __future__ import annotations
 
+import functools
 import time
 
 import torch
@@ -59,13 +60,20 @@ def _sync(device: torch.device) -> None:
 def gguf_decode_step_bytes(path, batch_size: int, context_len: int) -> int:
     """The same count for llama.cpp on a GGUF file: its tensors as stored (the embedding table only
     where it doubles as the output projection) and an f16 K/V cache (llama.cpp's default)."""
+    weights, kv_per_token = _gguf_step_figures(str(path))
+    return weights + batch_size * context_len * kv_per_token
+
+
+@functools.lru_cache(maxsize=8)
+def _gguf_step_figures(path: str) -> tuple[int, int]:
+    """(weight bytes a step reads, K/V bytes per token) of a GGUF file: reading its metadata takes
+    seconds (the tokenizer's arrays), so once per file."""
     import gguf
 
     from llmopt.core import resolve
 
-    tensors = gguf.GGUFReader(str(path)).tensors
+    tensors = gguf.GGUFReader(path).tensors
     tied = not any(t.name == "output.weight" for t in tensors)
     weights = sum(int(t.n_bytes) for t in tensors if tied or t.name != "token_embd.weight")
-    cfg = resolve(str(path)).config
-    kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2
-    return weights + batch_size * context_len * kv_per_token
+    cfg = resolve(path).config
+    return weights, 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2

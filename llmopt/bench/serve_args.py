@@ -24,9 +24,11 @@ class BenchServeArgs:
                                 "SGLang, llama.cpp, TGI).", panel=TARGET)
     model: Optional[str] = option(None, "Launch a server for this spec on a free local port instead (see --launch), "
                                   "and stop it afterwards.", "--model", panel=TARGET, recipe=None)
-    launch: str = option("llmopt", "With --model: llmopt (`llmopt serve SPEC`) or llama-cpp (llama-cpp-python's "
-                         "own server on a .gguf file; 'default' = the embedded one).", panel=TARGET,
-                         choices=("llmopt", "llama-cpp"))
+    launch: str = option("llmopt", "With --model: llmopt (`llmopt serve SPEC`), llama-server (llama.cpp's C++ "
+                         "server built by scripts/build_llama_cpp.sh, with -np = the highest concurrency and "
+                         "continuous batching) or llama-cpp (llama-cpp-python's server), the last two on a .gguf "
+                         "file ('default' = the embedded one).", panel=TARGET,
+                         choices=("llmopt", "llama-server", "llama-cpp"))
     serve_args: str = option("", "Extra flags for the launched server, one string, e.g. '--max-num-seqs 64 "
                              "--kv-cache-memory 1GiB'.", panel=TARGET)
     served_model_name: Optional[str] = option(None, "Model name to send (default: the first one /v1/models lists).",
