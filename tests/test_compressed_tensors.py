@@ -87,8 +87,13 @@ def test_fp8_static_scheme_has_tensor_scales_and_input_scales(tiny_models, tmp_p
     # q, k and v see the same input, so the same activation scale
     scales = {float(tensors[f"model.layers.0.self_attn.{p}_proj.input_scale"]) for p in "qkv"}
     assert len(scales) == 1 and scales.pop() > 0
-    loaded = load(str(out))
+    loaded = load(str(out), int4_kernels=False)
     assert loaded.source.quantization.details["scheme"] == "FP8"
+    dense = hf_state_dict(loaded.model)  # q, k, v stacked, each with its own per-tensor scale
+    for proj in PROJECTIONS:
+        prefix = f"model.layers.0.{proj}"
+        assert torch.equal(dense[f"{prefix}.weight"],
+                           tensors[f"{prefix}.weight"].float() * tensors[f"{prefix}.weight_scale"]), prefix
 
 
 def test_fp8_loads_as_its_dequantized_weights(fp8_dynamic):
@@ -118,6 +123,59 @@ def test_fp8_loads_as_its_dequantized_weights(fp8_dynamic):
         with torch.inference_mode():
             a, b = (m(ids, torch.arange(5), EqualLengthAttention(1, 5)) for m in (model, dense))
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_unsupported_compressed_tensors_schemes_are_refused(fp8_dynamic, tmp_path):
+    folder = tmp_path / "w8a8"
+    folder.mkdir()
+    for f in fp8_dynamic.iterdir():
+        (folder / f.name).write_bytes(f.read_bytes())
+    config = json.loads((fp8_dynamic / "config.json").read_text())
+    weights = config["quantization_config"]["config_groups"]["group_0"]["weights"]
+    weights.update(type="int", num_bits=8)  # INT8 W8A8: not something llmopt runs
+    config["quantization_config"]["format"] = "int-quantized"
+    config["quantization_config"]["config_groups"]["group_0"]["format"] = "int-quantized"
+    (folder / "config.json").write_text(json.dumps(config))
+    assert_usage_error(["models", "info", str(folder)], "is not supported", "float-quantized FP8")
+
+
+def test_act_order_pack_quantized_with_g_idx_loads(tiny_models, tmp_path):
+    """Older llm-compressor checkpoints (actorder "group", before compressed-tensors 0.20) carry
+    `weight_g_idx`: the same grid as our GPTQ act-order checkpoint, repacked by hand, loads the same."""
+    from llmopt.core.compressed_tensors import int4_config
+    from llmopt.core.quant_formats import unpack_tensors
+    from llmopt.core.quant_packing import pack_columns
+
+    gptq = tmp_path / "gptq"
+    quantize(QuantizeRequest(model=str(tiny_models["llama"]), output=gptq, method="gptq", group_size=GROUP,
+                             calib=_calib(tmp_path), num_samples=4, seq_len=32))
+    tensors = load_safetensors([gptq / "model.safetensors"])
+    for layer in range(3):
+        for proj in PROJECTIONS:
+            prefix = f"model.layers.{layer}.{proj}"
+            q = unpack_tensors("gptq", tensors, prefix, 4, GROUP)
+            for suffix in ("qweight", "qzeros", "scales", "g_idx"):
+                del tensors[f"{prefix}.{suffix}"]
+            tensors.update({f"{prefix}.weight_packed": pack_columns(q.codes), f"{prefix}.weight_scale": q.scales.half(),
+                            f"{prefix}.weight_zero_point": pack_columns(q.zeros.t()).t().contiguous(),
+                            f"{prefix}.weight_shape": torch.tensor(list(q.codes.shape)),
+                            f"{prefix}.weight_g_idx": q.g_idx})
+    assert not bool((q.g_idx == torch.arange(q.g_idx.numel()) // GROUP).all())  # really permuted
+    out = tmp_path / "ct-actorder"
+    out.mkdir()
+    for f in gptq.iterdir():
+        if f.suffix != ".safetensors":
+            (out / f.name).write_bytes(f.read_bytes())
+    config = json.loads((gptq / "config.json").read_text())
+    qc = int4_config(q.scheme.__class__(bits=4, group_size=GROUP, sym=False))
+    qc["config_groups"]["group_0"]["weights"]["actorder"] = "group"
+    config["quantization_config"] = qc
+    (out / "config.json").write_text(json.dumps(config))
+    save_safetensors(tensors, out / "model.safetensors")
+    a, b = hf_state_dict(load(str(out), int4_kernels=False).model), hf_state_dict(load(str(gptq), int4_kernels=False).model)
+    for proj in PROJECTIONS:
+        name = f"model.layers.1.{proj}.weight"
+        assert torch.equal(a[name], b[name]), name
 
 
 def test_bad_fp8_flags_are_usage_errors(tiny_models, tmp_path):
