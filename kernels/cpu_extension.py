@@ -7,6 +7,8 @@ One Python module:
   poorly (`cpu_linear.py`; `DenseLinear` uses it).
 - `int4_linear`: 4-bit AWQ / GPTQ weights times fp32 activations (`cpu_int4.py`;
   `CpuInt4Linear` in llmopt/model/int4_linear.py uses it).
+- `fp8_linear`: FP8 e4m3 weights (a scale per output row) times fp32 activations
+  (`cpu_fp8.py`; `Fp8Linear` in llmopt/model/fp8_linear.py uses it).
 - `DecodePlan`: every decoder layer of a decode step in one call, through the kernels
   above (`llmopt/runtime/cpu_decode_plan.py` builds it from the model).
 - `rms_norm`, `add_rms_norm`, `rotary_embedding_`, `silu_and_mul`: the small per-layer ops
@@ -37,7 +39,7 @@ log = logging.getLogger("llmopt.kernels")
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / name for name in ("bindings.cpp", "paged_decode.cpp", "skinny_linear.cpp", "fused_ops.cpp",
-                                     "int4_linear.cpp", "decode_plan.cpp")]
+                                     "int4_linear.cpp", "decode_plan.cpp", "fp8_linear.cpp")]
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 
 

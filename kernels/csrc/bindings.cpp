@@ -18,6 +18,8 @@ torch::Tensor int4_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor sc
                           c10::optional<torch::Tensor> bias);
 
 torch::Tensor int8_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, int64_t out_features);
+bool fp8_linear_simd();
+torch::Tensor fp8_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, c10::optional<torch::Tensor> bias);
 void register_decode_plan(pybind11::module& m);
 
 // The heavy kernels release the GIL: a server's event loop keeps running during a step.
@@ -38,6 +40,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("out_features"), pybind11::arg("group_size"), pybind11::arg("perm") = pybind11::none(), pybind11::arg("bias") = pybind11::none());
   m.def("int8_linear", &int8_linear, release_gil(), "x @ dequant(W).T: 8-bit W per 32 columns, int8-quantized x",
         pybind11::arg("x"), pybind11::arg("codes"), pybind11::arg("scales"), pybind11::arg("out_features"));
+  m.def("fp8_linear_simd", &fp8_linear_simd, "fp8_linear takes its AVX2 + F16C path now (else a table)");
+  m.def("fp8_linear", &fp8_linear, release_gil(), "x @ (codes * scale).T (+ bias): e4m3 W widened in registers",
+        pybind11::arg("x"), pybind11::arg("codes"), pybind11::arg("scales"), pybind11::arg("bias") = pybind11::none());
   m.def("cpu_isa", [] { return std::string(llmopt_isa::isa_name(llmopt_isa::active_isa())); },
         "the SIMD path the kernels take now: scalar, avx2, avx512 or amx");
   m.def("cpu_isa_supported", [] { return std::string(llmopt_isa::isa_name(llmopt_isa::cpu_supported_isa())); },

@@ -71,7 +71,8 @@ def info(
     for key, value in doc["architecture"].items():
         table.add_row(key, f"{value:,}" if key == "num_parameters" else str(value))
     q = doc["quantization"]
-    table.add_row("quantization", "none" if q is None else f"{q['method']} {q['bits'] or ''}-bit {q['details'].get('file_type', '')}".strip())
+    table.add_row("quantization", "none" if q is None else f"{q['method']} {q['bits'] or ''}-bit "
+                  f"{q['details'].get('file_type') or q['details'].get('scheme') or ''}".strip())
     console.print(table)
 
 

@@ -67,7 +67,7 @@ def convert_source(source, out: Path, dtype: str = "float32", overwrite: bool = 
         return write_dummy_folder(source, out, dtype=dtype, overwrite=overwrite)
     if source.kind == "gguf":
         return convert_gguf(source.path, out, dtype=dtype, overwrite=overwrite)
-    if source.quantization is not None and source.quantization.method in ("awq", "gptq"):
+    if source.quantization is not None and source.quantization.method in ("awq", "gptq", "compressed-tensors"):
         raise LlmoptError(f"{source.spec} is already {source.quantization.method.upper()}-quantized; converting it is not supported")
     torch_dtype = DTYPES[dtype]
     reader = open_weights(source)

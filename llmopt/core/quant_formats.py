@@ -1,4 +1,5 @@
-"""AWQ "GEMM" and GPTQ v1 checkpoint tensors and configs: writing ours, reading anyone's.
+"""AWQ "GEMM", GPTQ v1 and compressed-tensors pack-quantized checkpoint tensors and configs:
+writing ours, reading anyone's (compressed-tensors in `compressed_tensors.py`).
 
 Both formats keep Hugging Face module names, one packed triple (or quadruple) per
 projection: `<module>.qweight`, `<module>.qzeros`, `<module>.scales` (fp16,
@@ -13,16 +14,19 @@ from typing import Any
 import torch
 
 from llmopt.errors import LlmoptError
+from llmopt.core import compressed_tensors
 from llmopt.core.quant_packing import awq_pack, awq_unpack, gptq_pack, gptq_unpack
 from llmopt.core.quantized_weight import QuantizedWeight, QuantScheme
 from llmopt.core.threads import one_thread
 
-CHECKPOINT_FORMATS = ("awq", "gptq")
+CHECKPOINT_FORMATS = ("awq", "gptq", "compressed-tensors")
 
 
 def quantization_config(fmt: str, scheme: QuantScheme, desc_act: bool = False, lm_head: bool = False,
                         damp_percent: float = 0.1) -> dict[str, Any]:
     """The `quantization_config` block transformers, vLLM and GPTQModel/AutoAWQ read."""
+    if fmt == "compressed-tensors":
+        return compressed_tensors.int4_config(scheme, lm_head)
     if fmt == "awq":
         # AWQ's GEMM format always carries zero points: a symmetric grid is stored as zero = 8
         return {"quant_method": "awq", "bits": scheme.bits, "group_size": scheme.group_size, "zero_point": True,
@@ -34,6 +38,8 @@ def quantization_config(fmt: str, scheme: QuantScheme, desc_act: bool = False, l
 
 def pack_tensors(fmt: str, prefix: str, q: QuantizedWeight) -> dict[str, torch.Tensor]:
     """Checkpoint tensors of one projection `prefix` (e.g. model.layers.0.self_attn.q_proj)."""
+    if fmt == "compressed-tensors":
+        return compressed_tensors.int4_tensors(prefix, q)
     out_features, in_features = q.codes.shape
     if out_features % 8 or in_features % 8:
         raise LlmoptError(f"{prefix}: int4 packing needs both dimensions divisible by 8, got {out_features}x{in_features}")
@@ -52,6 +58,8 @@ def packed_shapes(fmt: str, prefix: str, out_features: int, in_features: int,
                   scheme: QuantScheme) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
     """The (dtype, shape) of each tensor `pack_tensors` writes for an out x in projection, known
     before it is quantized (a checkpoint writer plans its files from them)."""
+    if fmt == "compressed-tensors":
+        return compressed_tensors.int4_shapes(prefix, out_features, in_features, scheme)
     groups = scheme.groups_of(in_features)
     shapes = {f"{prefix}.qweight": (torch.int32, (in_features, out_features // 8) if fmt == "awq"
                                     else (in_features // 8, out_features)),

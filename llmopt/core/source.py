@@ -14,7 +14,7 @@ from llmopt.core.config import ModelConfig, read_json
 from llmopt.core.tokenizer import Tokenizer
 from llmopt.errors import LlmoptError
 
-SUPPORTED_QUANT_METHODS = ("awq", "gptq")
+SUPPORTED_QUANT_METHODS = ("awq", "gptq", "compressed-tensors")
 # "auto": the checkpoint's own weights; "dummy": random weights of its shape (vLLM's names)
 LOAD_FORMATS = ("auto", "dummy")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -22,7 +22,7 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 @dataclass
 class QuantizationInfo:
-    method: str  # "awq" | "gptq" | "gguf"
+    method: str  # "awq" | "gptq" | "compressed-tensors" | "gguf"
     bits: int | None = None
     group_size: int | None = None
     details: dict[str, Any] = field(default_factory=dict)
@@ -124,6 +124,12 @@ def _quantization_of(raw: dict[str, Any], where: Path) -> QuantizationInfo | Non
             f"{where}: quantization method {method or 'none given'!r} is not supported; "
             f"supported: {', '.join(SUPPORTED_QUANT_METHODS)}"
         )
+    if method == "compressed-tensors":  # the scheme lives in config_groups (llm-compressor's checkpoints)
+        from llmopt.core.compressed_tensors import read_scheme
+
+        scheme = read_scheme(qc, str(where))
+        return QuantizationInfo(method=method, bits=scheme.num_bits, group_size=scheme.llmopt_group_size,
+                                details={**qc, "scheme": scheme.name})
     bits = qc.get("bits", qc.get("w_bit"))
     group = qc.get("group_size", qc.get("q_group_size"))
     for key, value, lowest in (("bits", bits, 1), ("group_size", group, -1)):

@@ -1,8 +1,11 @@
 """Our decoder from checkpoint tensors, read one tensor at a time: `build_model` checks each
-tensor's presence and shape, puts dense ones in the compute dtype, and gives each AWQ / GPTQ
-projection to the kernel backend's int4 layer straight from its packed tensors (dense only
-where the backend has no int4 layer for it), so a 4-bit checkpoint never exists in memory as
-dense weights."""
+tensor's presence and shape, puts dense ones in the compute dtype, and gives each AWQ / GPTQ /
+compressed-tensors W4A16 projection to the kernel backend's int4 layer straight from its packed
+tensors (dense only where the backend has no int4 layer for it), so a 4-bit checkpoint never
+exists in memory as dense weights. FP8 (compressed-tensors float-quantized) projections go to
+the backend's FP8 layer (fp32 CPU models: the C++ kernel reading the e4m3 bytes); elsewhere they
+are dequantized to the compute dtype at load, one projection at a time. Either way activations
+are not quantized: the model runs FP8's rounding of the weights."""
 
 from __future__ import annotations
 
@@ -10,7 +13,9 @@ from typing import Callable, Iterable, Protocol
 
 import torch
 
+from llmopt.core.compressed_tensors import CompressedTensorsScheme, read_fp8, read_int4, read_scheme
 from llmopt.core.config import ModelConfig
+from llmopt.core.fp8_weight import Fp8Weight
 from llmopt.core.memory import release_freed_memory
 from llmopt.core.quant_formats import unpack_tensors
 from llmopt.core.quantized_weight import QuantizedWeight
@@ -58,7 +63,7 @@ def build_model(
     expected = {name: p.shape for name, p in model.named_parameters()}
     if config.tie_word_embeddings:
         expected.pop("lm_head.weight", None)
-    _check_present(expected, weights, isinstance(grid_of, _PackedReader), where)
+    _check_present(expected, weights, isinstance(grid_of, (_PackedReader, _CompressedTensorsReader)), where)
 
     state: dict[str, torch.Tensor] = {}
     swapped = 0
@@ -76,6 +81,8 @@ def build_model(
         layer = None
         if int4_kernels and isinstance(q, QuantizedWeight):
             layer = backend.int4_linear(q, None if bias is None else bias.cpu(), dtype)
+        elif int4_kernels and isinstance(q, Fp8Weight):
+            layer = backend.fp8_linear(q, None if bias is None else bias.cpu(), dtype)
         if layer is not None:
             parent, _, child = module_name.rpartition(".")
             setattr(model.get_submodule(parent) if parent else model, child, layer.to(device))
@@ -113,9 +120,9 @@ def build_model(
     on_compact = compact is not None and isinstance(head, DenseLinear) and head.use_compact_copy(compact)
     if not on_compact:  # no compact copy after all: the tables in the compute dtype
         for table in (model.model.embed_tokens, head):
-            if table.weight.dtype != dtype:
+            if isinstance(table, (torch.nn.Embedding, DenseLinear)) and table.weight.dtype != dtype:
                 table.weight = torch.nn.Parameter(table.weight.to(dtype), requires_grad=False)
-        if config.tie_word_embeddings:
+        if config.tie_word_embeddings and isinstance(head, DenseLinear):
             model.tie_weights()
     for module in model.modules():
         if isinstance(module, DenseLinear) and not (module is head and on_compact):
@@ -159,7 +166,8 @@ def _stack(tensors: list[torch.Tensor], parts: list[str], where: str) -> torch.T
 def _check_present(expected: dict, weights: Weights, quantized: bool, where: str) -> None:
     def present(part: str) -> bool:
         return part in weights or (quantized and part.endswith(".weight")
-                                   and f"{part.removesuffix('.weight')}.qweight" in weights)
+                                   and any(f"{part.removesuffix('.weight')}.{packed}" in weights
+                                           for packed in ("qweight", "weight_packed")))
 
     missing = [part for name in expected for part in checkpoint_names(name) if not present(part)]
     if missing:
@@ -184,11 +192,33 @@ class _PackedReader:
                                   int(self.quant.group_size), self.gptq_v2)
 
 
+class _CompressedTensorsReader:
+    """One compressed-tensors projection at a time: FP8 codes and scales, or W4A16 unpacked into
+    codes + grid; None for a projection the checkpoint keeps dense (its `ignore` list)."""
+
+    def __init__(self, weights: Weights, scheme: CompressedTensorsScheme):
+        self.weights, self.scheme = weights, scheme
+        self.fp8 = scheme.type == "float"
+
+    def __call__(self, prefix: str) -> QuantizedWeight | Fp8Weight | None:
+        marker = f"{prefix}.weight_scale" if self.fp8 else f"{prefix}.weight_packed"
+        if marker not in self.weights:
+            return None
+        suffixes = ("weight", "weight_scale", "input_scale") if self.fp8 else \
+            ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point", "weight_g_idx")
+        tensors = {f"{prefix}.{s}": self.weights[f"{prefix}.{s}"] for s in suffixes if f"{prefix}.{s}" in self.weights}
+        with one_thread():
+            return read_fp8(tensors, prefix, self.scheme) if self.fp8 else read_int4(tensors, prefix, self.scheme)
+
+
 def _grid_reader(weights: Weights, quant: QuantizationInfo | None, int4_kernels: bool,
                  where: str) -> Callable[[str], QuantizedWeight | None] | None:
     """How to read a projection (by prefix) as an int4 grid: AWQ / GPTQ packed tensors, or a
     GGUF file's Q4_0 tensors (`GGUFTensors.quantized`, only for the kernels: their dense values
     come as cheaply from the file); None where the checkpoint holds no grids."""
+    if quant is not None and quant.method == "compressed-tensors":
+        scheme = read_scheme(quant.details, where)
+        return _CompressedTensorsReader(weights, scheme)
     if quant is not None and quant.method in ("awq", "gptq"):
         if quant.group_size is None or quant.bits is None:
             raise LlmoptError(f"{where}: quantization_config needs 'bits' and 'group_size'")
@@ -202,11 +232,19 @@ def _grid_reader(weights: Weights, quant: QuantizationInfo | None, int4_kernels:
     return None
 
 
-def _joined(qs: list[QuantizedWeight], parts: list[str], where: str) -> QuantizedWeight | torch.Tensor:
+def _joined(qs: list, parts: list[str], where: str) -> QuantizedWeight | Fp8Weight | torch.Tensor:
     """The projection made of checkpoint projections `parts` (q/k/v, gate/up joined along the
     output dimension), as one grid; as a dense weight where the parts' grids differ."""
     if len(qs) == 1:
         return qs[0]
+    if any(isinstance(q, Fp8Weight) for q in qs):
+        if not all(isinstance(q, Fp8Weight) and q.codes.shape[1] == qs[0].codes.shape[1] for q in qs):
+            shapes = ", ".join(f"{p} {tuple(getattr(q, 'codes').shape)}" for p, q in zip(parts, qs))
+            raise LlmoptError(f"{where}: FP8 projections do not fit together: {shapes}")
+        # each part keeps its own scales (per row); a static input scale is shared, as vLLM does: the largest
+        inputs = [q.input_scale for q in qs if q.input_scale is not None]
+        return Fp8Weight(codes=torch.cat([q.codes for q in qs]), scales=torch.cat([q.scales for q in qs]),
+                         strategy="channel", input_scale=torch.stack(inputs).amax(0) if inputs else None)
     if any(not torch.equal(q.g_idx, qs[0].g_idx) for q in qs):
         # parts quantized with different act-order permutations cannot share one int4 layer
         return torch.cat([q.dequantize() for q in qs])

@@ -98,8 +98,10 @@ def load(source: ModelSource | str, dtype: str = "auto", device: str = "cpu", in
     else:
         weights, tokenizer = open_weights(source), load_tokenizer(source)
     tokenizer.extra_eos_token_ids = sorted(set(tokenizer.extra_eos_token_ids) | set(config.eos_token_ids))
-    quantized = source.quantization is not None and source.quantization.method in ("awq", "gptq") \
-        and load_format != "dummy"
+    # int4 projections are held packed; FP8 ones are dequantized to the compute dtype at load
+    quantized = source.quantization is not None and load_format != "dummy" and (
+        source.quantization.method in ("awq", "gptq")
+        or (source.quantization.method == "compressed-tensors" and source.quantization.bits == 4))
     torch_dtype = resolve_dtype(dtype, torch_device, config, quantized)
     try:
         backend = select_backend(torch_device, torch_dtype)

@@ -4,7 +4,9 @@ The counts follow what the writers store: AWQ/GPTQ (llmopt's and AutoAWQ's "GEMM
 4-bit codes packed 8 per int32, a 4-bit zero point packed the same way and an fp16 scale per
 group of input columns and output column (GPTQ also an int32 group index per input column),
 and leave the embeddings, the output projection and
-the norms in fp16; int8 keeps a byte per weight and an fp16 scale per output channel. GGUF
+the norms in fp16; int8 keeps a byte per weight and an fp16 scale per output channel; FP8
+(compressed-tensors, llm-compressor's FP8_DYNAMIC) a byte per weight (e4m3) and a float32 scale
+per output channel, the rest in fp16 as the int4 writers do. GGUF
 block types store each 2-D tensor in blocks of 32 (or 256) weights with their scales (Q8_0:
 34 bytes per 32 weights), 1-D tensors in F32, and the output projection of the Q4_x/Q5_x
 files in a wider type (llmopt's writer: Q8_0). The K-quant mixes pick a type per tensor
@@ -41,6 +43,7 @@ FORMATS: dict[str, WeightFormat] = {f.name: f for f in [
     WeightFormat("bf16", 16, 16),
     WeightFormat("fp16", 16, 16),
     WeightFormat("int8", 8, 16),  # + a per-channel scale, added in weight_bytes
+    WeightFormat("fp8", 8, 16),  # e4m3 + a float32 scale per output channel, added in weight_bytes
     WeightFormat("awq-int4-g128", int4_bits(128), 16),
     WeightFormat("awq-int4-g64", int4_bits(64), 16),
     WeightFormat("gptq-int4-g128", int4_bits(128), 16),
@@ -93,6 +96,8 @@ def weight_bytes(cfg: ModelConfig, fmt: WeightFormat) -> int:
         bits += (n.embedding + n.output) * fmt.other_bits
     if fmt.name == "int8":
         bits += n.linear_rows * 16
+    if fmt.name == "fp8":
+        bits += n.linear_rows * 32
     if fmt.name.startswith("gptq"):
         bits += n.linear_cols * 32
     return int(bits // 8)

@@ -9,6 +9,10 @@ quantized weight in, and lets the forward continue. So the layer's output is the
 *quantized* layer's output, which becomes the next layer's input, and only one layer's
 activations are alive at a time.
 
+FP8 (`method` "fp8") rounds each weight on its own, as RTN does; its static scheme ("FP8") also
+records the largest input magnitude each linear sees in the same hook, for the per-tensor
+activation scale.
+
 AWQ's input scaling is applied inside the hook too (the hook hands the linear x / s) and
 folded afterwards where a real model would apply it: into the preceding norm's weight,
 or into the rows of the linear that feeds this one (their grid scales divide by s, which
@@ -23,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from llmopt.core.config import ModelConfig
+from llmopt.core.fp8_weight import Fp8Weight, fp8_scale, quantize_fp8
 from llmopt.model.attention import EqualLengthAttention
 from llmopt.model.llama import STACKED_PROJECTIONS, DecoderLayer
 from llmopt.quant import awq, gptq
@@ -31,13 +36,19 @@ from llmopt.quant.quantizer import QuantizedWeight, QuantScheme, quantize_rtn
 
 @dataclass
 class MethodOptions:
-    method: str  # "rtn" | "awq" | "gptq"
+    method: str  # "rtn" | "awq" | "gptq" | "fp8"
     scheme: QuantScheme
     desc_act: bool = False  # GPTQ act-order
     damp_percent: float = 0.1
     n_grid: int = 20  # AWQ scale / clip grids
     keep_unrounded: bool = False  # AWQ: keep the scaled, clipped weights before rounding (for GGUF export)
     search_tokens: int = 512  # AWQ scale search: a stride sample of the tokens (AutoAWQ's clip search uses 512)
+    fp8_scheme: str = "FP8_DYNAMIC"  # method fp8: llm-compressor's FP8_DYNAMIC or FP8 (static activations)
+
+    @property
+    def calibrated(self) -> bool:
+        """Whether the method needs calibration inputs (AWQ, GPTQ, FP8's static activation scales)."""
+        return self.method in ("awq", "gptq") or (self.method == "fp8" and self.fp8_scheme == "FP8")
 
 
 @dataclass
@@ -45,7 +56,7 @@ class QuantizedSite:
     """One quantized linear of our model (fused q/k/v or gate/up count as one)."""
 
     name: str  # our module name, e.g. "model.layers.3.self_attn.qkv_proj"
-    weight: QuantizedWeight
+    weight: QuantizedWeight | Fp8Weight
     relative_error: float | None  # ||X W^T - X W_hat^T||^2 / ||X W^T||^2 on calibration inputs (None: RTN)
     details: dict = field(default_factory=dict)
     unrounded: torch.Tensor | None = None  # AWQ's scaled + clipped weight before rounding, when kept
@@ -114,6 +125,9 @@ def quantize_decoder_layer(config: ModelConfig, layer: DecoderLayer, index: int,
     prefix = f"model.layers.{index}"
     if options.method == "rtn":
         return x, [_rtn_site(f"{prefix}.{local}", layer.get_submodule(local), options.scheme) for local in LAYER_SITES]
+    if options.method == "fp8" and not options.calibrated:
+        return x, [_fp8_site(config, f"{prefix}.{local}", layer.get_submodule(local), options)
+                   for local in LAYER_SITES]
     done: dict[str, QuantizedSite] = {}
     handles = [layer.get_submodule(local).register_forward_pre_hook(
         _hook(config, layer, f"{prefix}.{local}", layer.get_submodule(local), options, done)) for local in LAYER_SITES]
@@ -132,6 +146,8 @@ def quantize_output_layer(config: ModelConfig, norm, lm_head, x: torch.Tensor | 
     hidden states `x` (after `norm`)."""
     if options.method == "rtn":
         return _rtn_site("lm_head", lm_head, options.scheme)
+    if options.method == "fp8" and not options.calibrated:
+        return _fp8_site(config, "lm_head", lm_head, options)
     done: dict[str, QuantizedSite] = {}
     handle = lm_head.register_forward_pre_hook(_hook(config, None, "lm_head", lm_head, options, done))
     try:
@@ -153,6 +169,8 @@ def _hook(config: ModelConfig, layer, name: str, module, options: MethodOptions,
 
 
 def _quantize_site(config: ModelConfig, layer, name, module, x, options: MethodOptions, done) -> tuple[QuantizedSite, torch.Tensor]:
+    if options.method == "fp8":  # static activations: the input's absmax over every calibration token
+        return _fp8_site(config, name, module, options, fp8_scale(x.abs().amax()).reshape(1)), x
     start = time.perf_counter()
     w = module.weight.detach().float().clone()  # the module's weight is overwritten below
     scheme, details, unrounded = options.scheme, {}, None
@@ -221,6 +239,20 @@ def _clip_rows(config: ModelConfig, name: str, out_features: int) -> torch.Tenso
     rows = torch.zeros(out_features, dtype=torch.bool)
     rows[part_rows(config, name)["v_proj"]] = True
     return rows
+
+
+def _fp8_site(config: ModelConfig, name: str, module, options: MethodOptions,
+              input_scale: torch.Tensor | None = None) -> QuantizedSite:
+    """FP8 e4m3 weights: a scale per output channel (FP8_DYNAMIC) or per checkpoint tensor
+    (FP8: q, k and v of a fused projection each get their own, as llm-compressor writes them)."""
+    start = time.perf_counter()
+    strategy = "channel" if options.fp8_scheme == "FP8_DYNAMIC" else "tensor"
+    parts = list(part_rows(config, name).values()) or None
+    q = quantize_fp8(module.weight.detach(), strategy, parts)
+    q.input_scale = input_scale
+    module.weight.copy_(q.dequantize().to(module.weight.dtype))
+    return QuantizedSite(name=name, weight=q, relative_error=None,
+                         details={"seconds": round(time.perf_counter() - start, 3)})
 
 
 def _rtn_site(name: str, module, scheme: QuantScheme) -> QuantizedSite:

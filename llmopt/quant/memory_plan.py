@@ -61,8 +61,10 @@ class MemoryPlan:
 
 def quantize_plan(config: ModelConfig, method: str, fmt: str, num_samples: int, seq_len: int,
                   dtype: torch.dtype, calib_self: bool, quantize_lm_head: bool,
-                  gguf_type: str | None = None) -> MemoryPlan:
-    """What `llmopt quantize` holds at its peak (see the module docstring)."""
+                  gguf_type: str | None = None, calibrated: bool | None = None) -> MemoryPlan:
+    """What `llmopt quantize` holds at its peak (see the module docstring); `calibrated`: the
+    method runs calibration samples through the layers (default: AWQ and GPTQ)."""
+    calibrated = method in ("awq", "gptq") if calibrated is None else calibrated
     h, i = config.hidden_size, config.intermediate_size
     q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
     b = dtype.itemsize
@@ -76,7 +78,6 @@ def quantize_plan(config: ModelConfig, method: str, fmt: str, num_samples: int, 
     else:
         parts["layer"] = layer * b + 3 * largest * 4
         parts["embedding chunk"] = 8192 * h * 8
-    calibrated = method in ("awq", "gptq")
     if calibrated:
         tokens = num_samples * seq_len
         # at down_proj's hook: the residual and normed input (h each) and the MLP product (i) in

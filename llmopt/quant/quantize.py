@@ -1,7 +1,7 @@
 """`quantize(...)`: one model in, one quantized checkpoint (folder or .gguf) and a report out.
 
     memory plan (refuse early) -> calibration tokens -> layer by layer from the checkpoint on
-    disk: read, calibrate, RTN / AWQ / GPTQ, pack, write (streaming.py; temp path, renamed at
+    disk: read, calibrate, RTN / AWQ / GPTQ / FP8, pack, write (streaming.py; temp path, renamed at
     the end) -> quantize_report.json
 
 Only one decoder layer is in memory at a time, in the compute dtype (`--dtype`); its
@@ -30,6 +30,7 @@ from llmopt.core.atomic import atomic_dir, atomic_file
 from llmopt.core.config import ModelConfig
 from llmopt.core.convert import DTYPES, write_hf_files
 from llmopt.core.memory import release_freed_memory
+from llmopt.core.compressed_tensors import FP8_SCHEMES, fp8_config
 from llmopt.core.quant_formats import quantization_config
 from llmopt.core.source import load_tokenizer
 from llmopt.core.weights import DEFAULT_MAX_SHARD_SIZE, CheckpointReader, SafetensorsShardWriter, parse_shard_size
@@ -45,9 +46,9 @@ from llmopt.quant.streaming import output_plan, stream_quantize
 
 log = logging.getLogger("llmopt")
 
-METHODS = ("rtn", "awq", "gptq", "gguf")
-FORMATS = ("awq", "gptq", "gguf")
-DEFAULT_FORMAT = {"rtn": "gptq", "awq": "awq", "gptq": "gptq", "gguf": "gguf"}
+METHODS = ("rtn", "awq", "gptq", "fp8", "gguf")
+FORMATS = ("awq", "gptq", "compressed-tensors", "gguf")
+DEFAULT_FORMAT = {"rtn": "gptq", "awq": "awq", "gptq": "gptq", "fp8": "compressed-tensors", "gguf": "gguf"}
 REPORT_NAME = "quantize_report.json"
 
 
@@ -58,9 +59,13 @@ class QuantizeRequest:
     model: str = option(help="'default', a model folder, or a hub id (unquantized)", argument=True, recipe=None)
     output: Path = option(help="Folder to write (AWQ/GPTQ) or a .gguf file.", names=("--output", "-o"),
                           recipe=None)
-    method: str = option("awq", "rtn, awq, gptq or gguf", choices=METHODS, recipe_required=True)
-    format: Optional[str] = option(None, "awq, gptq or gguf (default: awq for awq, gguf for gguf, else gptq)",
-                                   choices=FORMATS)
+    method: str = option("awq", "rtn, awq, gptq, fp8 or gguf", choices=METHODS, recipe_required=True)
+    format: Optional[str] = option(None, "awq, gptq, compressed-tensors or gguf (default: awq for awq, "
+                                   "compressed-tensors for fp8, gguf for gguf, else gptq)", choices=FORMATS)
+    fp8_scheme: str = option("FP8_DYNAMIC", "--method fp8, llm-compressor's schemes: FP8_DYNAMIC (a weight scale per "
+                             "output channel, activations scaled per token at run time) or FP8 (per-tensor weight "
+                             "scales, a static activation scale calibrated on --calib)", names=("--scheme",),
+                             choices=FP8_SCHEMES, recipe="scheme")
     bits: int = option(4, "Weight bits (the AWQ/GPTQ writers pack 4).", ge=1)
     group_size: int = option(64, "Input channels per scale/zero group; -1 = per channel.")
     # defaults measured on the embedded model (docs/benchmarks.md): asymmetric grids, and for
@@ -92,7 +97,13 @@ class QuantizeRequest:
         return QuantScheme(bits=self.bits, group_size=self.group_size, sym=self.sym)
 
     def resolved_desc_act(self) -> bool:
-        return self.method == "gptq" if self.desc_act is None else self.desc_act
+        # compressed-tensors 0.20 has no field for permuted groups (its actorder "group" was removed)
+        default = self.method == "gptq" and self.resolved_format() != "compressed-tensors"
+        return default if self.desc_act is None else self.desc_act
+
+    def calibrated(self) -> bool:
+        """Whether the method needs calibration samples: AWQ, GPTQ, FP8's static activation scales."""
+        return self.method in ("awq", "gptq") or (self.method == "fp8" and self.fp8_scheme == "FP8")
 
 
 @dataclass
@@ -129,6 +140,11 @@ def validate(req: QuantizeRequest) -> None:
         raise LlmoptError(f"unknown format {fmt!r}; choose one of: {', '.join(FORMATS)}")
     if req.method == "gguf" and fmt != "gguf":
         raise LlmoptError("--method gguf writes a .gguf file; drop --format or use --format gguf")
+    if req.method == "fp8" and fmt != "compressed-tensors":
+        raise LlmoptError("--method fp8 writes the compressed-tensors format; drop --format or use "
+                          "--format compressed-tensors")
+    if req.fp8_scheme not in FP8_SCHEMES:
+        raise LlmoptError(f"unknown --scheme {req.fp8_scheme!r}; choose one of: {', '.join(FP8_SCHEMES)}")
     if fmt == "gguf":
         from llmopt.quant.gguf_export import GGUF_TYPES
 
@@ -139,7 +155,7 @@ def validate(req: QuantizeRequest) -> None:
                               "rounding; use --method gguf, or --method awq --format gguf for AWQ-scaled weights")
         if req.output.suffix != ".gguf":
             raise LlmoptError(f"GGUF output must be a .gguf file path, got {req.output}")
-    else:
+    elif req.method != "fp8":
         if req.bits != 4:
             raise LlmoptError(f"--bits {req.bits} is not supported: the {fmt.upper()} writer packs 4-bit weights only")
         if req.group_size != -1 and req.group_size not in (32, 64, 128, 256) and (req.group_size < 8 or req.group_size % 8):
@@ -147,7 +163,7 @@ def validate(req: QuantizeRequest) -> None:
         if fmt == "awq" and req.group_size == -1:
             raise LlmoptError("the AWQ format needs a positive --group-size (vLLM and AutoAWQ size groups from it); "
                               "use --format gptq for per-channel (-1) groups")
-        if fmt == "awq" and req.resolved_desc_act():
+        if fmt in ("awq", "compressed-tensors") and req.resolved_desc_act():
             raise LlmoptError("--desc-act (act-order) needs the GPTQ format's g_idx; use --format gptq")
     if req.method != "gptq" and req.desc_act:
         raise LlmoptError("--desc-act applies to --method gptq only")
@@ -185,15 +201,15 @@ def quantize(req: QuantizeRequest, on_layer: Callable[[int, int], None] | None =
     start = time.perf_counter()
     validate(req)
     source = resolve(req.model)
-    if source.quantization is not None and (source.quantization.method in ("awq", "gptq")
+    if source.quantization is not None and (source.quantization.method in ("awq", "gptq", "compressed-tensors")
                                             or source.kind == "gguf"):
         what = source.quantization.details.get("file_type") or source.quantization.method.upper()
         raise LlmoptError(f"{req.model} is already quantized ({what}); quantize from an unquantized model")
     config, fmt, scheme = source.config, req.resolved_format(), req.scheme()
     dtype, device = DTYPES[req.dtype], _device(req.device)
-    if req.method != "gguf":
+    if req.method not in ("gguf", "fp8"):
         check_shapes(config, req.group_size, req.quantize_lm_head)
-    calibrated = req.method in ("awq", "gptq")
+    calibrated = req.calibrated()
     reader = CheckpointReader.from_folder(source.path)  # headers only: a bad file fails here, in milliseconds
     tokenizer = load_tokenizer(source)
     tokenizer.extra_eos_token_ids = sorted(set(tokenizer.extra_eos_token_ids) | set(config.eos_token_ids))
@@ -206,7 +222,7 @@ def quantize(req: QuantizeRequest, on_layer: Callable[[int, int], None] | None =
     memory = check_fits(
         quantize_plan(config, req.method, fmt, req.num_samples, req.seq_len, dtype,
                       calib_self=req.calib == "self", quantize_lm_head=req.quantize_lm_head,
-                      gguf_type=req.gguf_type if fmt == "gguf" else None),
+                      gguf_type=req.gguf_type if fmt == "gguf" else None, calibrated=calibrated),
         f"quantize --method {req.method}",
         _memory_hint(req) + (self_hint if calibrated and req.calib == "self" else ""))
     if calibrated and calib is None:
@@ -222,7 +238,7 @@ def quantize(req: QuantizeRequest, on_layer: Callable[[int, int], None] | None =
     t_quant = time.perf_counter()
     options = None if req.method == "gguf" else MethodOptions(
         method=req.method, scheme=scheme, desc_act=req.resolved_desc_act(), damp_percent=req.damp_percent,
-        keep_unrounded=fmt == "gguf")
+        keep_unrounded=fmt == "gguf", fp8_scheme=req.fp8_scheme)
     plan = output_plan(config, fmt, options, req.quantize_lm_head)
     untied = req.quantize_lm_head and options is not None and config.tie_word_embeddings
     stream = dict(quantize_lm_head=req.quantize_lm_head, dtype=dtype, device=device, on_layer=on_layer)
@@ -237,8 +253,9 @@ def quantize(req: QuantizeRequest, on_layer: Callable[[int, int], None] | None =
         quant_seconds = time.perf_counter() - t_quant
         size_after = req.output.stat().st_size
     else:
-        qconfig = quantization_config(fmt, scheme, req.resolved_desc_act(), lm_head=req.quantize_lm_head,
-                                      damp_percent=req.damp_percent)
+        qconfig = fp8_config(req.fp8_scheme, req.quantize_lm_head) if req.method == "fp8" else \
+            quantization_config(fmt, scheme, req.resolved_desc_act(), lm_head=req.quantize_lm_head,
+                                damp_percent=req.damp_percent)
         with atomic_dir(req.output, overwrite=req.overwrite) as tmp:
             writer = SafetensorsShardWriter(tmp, plan, req.max_shard_size)
             streamed = stream_quantize(reader, config, input_ids, options, fmt, writer, **stream)
@@ -252,8 +269,10 @@ def quantize(req: QuantizeRequest, on_layer: Callable[[int, int], None] | None =
     errors = [s.relative_error for s in sites if s.relative_error is not None]
     report = QuantizeReport(
         output=str(req.output), method=req.method, format=fmt,
-        parameters={"bits": scheme.bits if fmt != "gguf" else None, "group_size": scheme.group_size if fmt != "gguf" else None,
-                    "sym": scheme.sym if fmt != "gguf" else None, "desc_act": req.resolved_desc_act(),
+        parameters={"bits": (8 if req.method == "fp8" else scheme.bits) if fmt != "gguf" else None,
+                    "group_size": scheme.group_size if fmt != "gguf" and req.method != "fp8" else None,
+                    "sym": scheme.sym if fmt != "gguf" and req.method != "fp8" else None,
+                    "scheme": req.fp8_scheme if req.method == "fp8" else None, "desc_act": req.resolved_desc_act(),
                     "damp_percent": req.damp_percent if req.method == "gptq" else None,
                     "gguf_type": req.gguf_type if fmt == "gguf" else None, "quantize_lm_head": req.quantize_lm_head,
                     "device": req.device, "dtype": req.dtype},

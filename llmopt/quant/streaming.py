@@ -27,7 +27,9 @@ from typing import Protocol
 
 import torch
 
+from llmopt.core.compressed_tensors import fp8_shapes, fp8_tensors
 from llmopt.core.config import ModelConfig
+from llmopt.core.fp8_weight import Fp8Weight
 from llmopt.core.memory import release_freed_memory
 from llmopt.core.quant_formats import pack_tensors, packed_shapes
 from llmopt.core.quantized_weight import QuantizedWeight
@@ -73,8 +75,9 @@ class StreamedQuantization:
 
 
 def output_plan(config: ModelConfig, fmt: str, options: MethodOptions | None, quantize_lm_head: bool) -> list[TensorSpec]:
-    """Every tensor of the output, in model order: packed int4 tensors for the quantized
-    projections (fp16 for the rest) in the AWQ/GPTQ formats; float32 tensors for GGUF (AWQ's
+    """Every tensor of the output, in model order: packed int4 tensors (FP8 ones for method
+    fp8) for the quantized projections (fp16 for the rest) in the AWQ/GPTQ/compressed-tensors
+    formats; float32 tensors for GGUF (AWQ's
     scaled weights unrounded: GGUF's types do the rounding)."""
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
@@ -91,9 +94,13 @@ def output_plan(config: ModelConfig, fmt: str, options: MethodOptions | None, qu
         site = site_of(name)
         if name.endswith(".weight") and site in quantized:
             out_features, in_features = tensor.shape
-            scheme = options.scheme
-            plan.extend(TensorSpec(n, dtype, shape) for n, (dtype, shape) in
-                        packed_shapes(fmt, name[: -len(".weight")], out_features, in_features, scheme).items())
+            prefix = name[: -len(".weight")]
+            if options.method == "fp8":
+                shapes = fp8_shapes(prefix, out_features, in_features,
+                                    "channel" if options.fp8_scheme == "FP8_DYNAMIC" else "tensor", options.calibrated)
+            else:
+                shapes = packed_shapes(fmt, prefix, out_features, in_features, options.scheme)
+            plan.extend(TensorSpec(n, dtype, shape) for n, (dtype, shape) in shapes.items())
         else:
             plan.append(TensorSpec(name, dense_dtype, tuple(tensor.shape)))
     return plan
@@ -107,12 +114,12 @@ def stream_quantize(reader: CheckpointReader, config: ModelConfig, input_ids: to
     `output_plan` lists them). `options` None copies the weights unquantized, one tensor at a
     time and in `dense_dtype` straight from the checkpoint's (GGUF's own types quantize them;
     there is no forward, so `dtype` plays no part); `input_ids` [samples, seq_len] calibrate
-    AWQ/GPTQ."""
+    AWQ/GPTQ and FP8's static activation scales."""
     _check_present(reader, config, quantize_lm_head)
     # the kernel backend's ops run the calibration forward; a plain copy needs none (nor their build)
     ops = None if options is None else select_backend(device, dtype).decoder_ops(dtype)
     dense_dtype = torch.float32 if fmt == "gguf" else torch.float16
-    calibrated = options is not None and options.method != "rtn"
+    calibrated = options is not None and options.calibrated
     x = _embeddings(reader, sink, input_ids if calibrated else None, dtype, device, dense_dtype)
     cos = sin = attn = None
     if calibrated:
@@ -254,6 +261,10 @@ def _emit(sink: TensorSink, config: ModelConfig, module: torch.nn.Module, prefix
             sink.write(name, tensor.to(dense_dtype))
         elif fmt == "gguf":
             sink.write(name, site.unrounded[part_slice(config, name)].to(dense_dtype))
+        elif isinstance(site.weight, Fp8Weight):
+            for fp8_name, fp8_tensor in fp8_tensors(name[: -len(".weight")],
+                                                    site.weight.rows(part_slice(config, name))).items():
+                sink.write(fp8_name, fp8_tensor)
         else:
             q = site.weight
             rows = part_slice(config, name)

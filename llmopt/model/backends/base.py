@@ -12,6 +12,7 @@ from typing import Callable
 
 import torch
 
+from llmopt.core.fp8_weight import Fp8Weight
 from llmopt.core.quantized_weight import QuantizedWeight
 from llmopt.model.linear import LinearBase
 from llmopt.model.ops import REFERENCE_OPS, DecoderOps
@@ -33,6 +34,11 @@ class KernelBackend:
     def int4_linear(self, weight: QuantizedWeight, bias: torch.Tensor | None, dtype: torch.dtype) -> LinearBase | None:
         """The int4 layer for an AWQ / GPTQ projection of a model of `dtype`, or None where this
         backend has none for its layout (the loader keeps the dense dequantized weight)."""
+        return None
+
+    def fp8_linear(self, weight: Fp8Weight, bias: torch.Tensor | None, dtype: torch.dtype) -> LinearBase | None:
+        """The FP8 layer for a compressed-tensors float-quantized projection of a model of `dtype`,
+        or None (the loader keeps the dense dequantized weight)."""
         return None
 
     def paged_attention(self, k_caches: torch.Tensor, v_caches: torch.Tensor,

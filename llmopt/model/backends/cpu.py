@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import torch
 
+from llmopt.core.fp8_weight import Fp8Weight
 from llmopt.core.quantized_weight import QuantizedWeight
 from llmopt.kernels.cpu_fused import fused_ops
 from llmopt.kernels.cpu_linear import skinny_linear_kernel
 from llmopt.kernels.cpu_paged_attention import KV_DTYPES as KERNEL_KV_DTYPES, decode_kernel
 from llmopt.model.backends.base import KernelBackend
+from llmopt.model.fp8_linear import cpu_fp8_linear
 from llmopt.model.int4_linear import cpu_int4_linear, int4_linear
 from llmopt.model.linear import LinearBase
 from llmopt.model.ops import DecoderOps, add_rms_norm, rms_norm, rotary, silu_and_mul
@@ -45,6 +47,10 @@ class CpuBackend(KernelBackend):
 
     def int4_linear(self, weight: QuantizedWeight, bias: torch.Tensor | None, dtype: torch.dtype) -> LinearBase | None:
         return cpu_int4_linear(weight, bias) if dtype == torch.float32 else int4_linear(weight, bias, dtype)
+
+    def fp8_linear(self, weight: Fp8Weight, bias: torch.Tensor | None, dtype: torch.dtype) -> LinearBase | None:
+        # fp32 models: the C++ kernel reads the e4m3 bytes; bf16/fp16 ones multiply dense weights
+        return cpu_fp8_linear(weight, bias) if dtype == torch.float32 else None
 
     def paged_attention(self, k_caches: torch.Tensor, v_caches: torch.Tensor,
                         query_dtype: torch.dtype) -> PagedAttention:
