@@ -13,8 +13,10 @@ through that permutation; per-channel weights are one group as wide as the row.
 its own GGUF files use for the vocabulary projection) in the same tiled order, for
 `int8_linear`.
 
-The kernels quantize activations to int8 per 32 values (scale = max|x| / 127) and takes
-integer dot products; `reference_int4_linear` is the same computation in PyTorch, and
+The kernels quantize activations to int8 per 32 values (scale = max|x| / 127) and take
+integer dot products on the SIMD path `cpu_extension.cpu_isa()` names (AVX2; AVX-512 VNNI;
+AMX-INT8 tiles for prompt chunks), every path bitwise the same outputs (the kernel's header
+comment says why); `reference_int4_linear` is the same computation in PyTorch, and
 `dequantize` the plain fp32 weights the PyTorch fallback multiplies by.
 """
 

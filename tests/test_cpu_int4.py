@@ -1,12 +1,15 @@
 """The C++ int4 kernel (`llmopt.kernels.cpu_int4`) against its PyTorch reference and the
 dequantize-then-matmul path, on weights read back from AWQ and GPTQ checkpoint layouts; and
-the int8 (Q8_0) kernel the vocabulary projection of int4 models uses."""
+the int8 (Q8_0) kernel the vocabulary projection of int4 models uses. Each SIMD path this CPU
+has (scalar, AVX2, AVX-512 VNNI, AMX) runs against the reference and bitwise against the
+others; the paths it lacks skip with the reason."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from llmopt.kernels.cpu_extension import cpu_ops
 from llmopt.kernels.cpu_int4 import (dequantize, dequantize_int8, int4_linear_kernel, int8_linear_kernel,
                                      quantize_activations, reference_int4_linear, reference_int8_linear, repack_int4,
                                      repack_int8)
@@ -15,6 +18,20 @@ from llmopt.quant.quantizer import QuantizedWeight, QuantScheme, quantize_rtn
 
 kernel = int4_linear_kernel()
 pytestmark = pytest.mark.skipif(kernel is None, reason="the CPU kernels could not be built here")
+
+PATHS = ["scalar", "avx2", "avx512", "amx"]  # csrc/isa.h, narrowest first
+
+
+@pytest.fixture(params=PATHS)
+def cpu_path(request):
+    """Runs the test with the kernels capped at one SIMD path (skipped where this build and CPU lack it)."""
+    ops = cpu_ops()
+    supported = ops.cpu_isa_supported()
+    if PATHS.index(request.param) > PATHS.index(supported):
+        pytest.skip(f"the {request.param} path: this build and CPU reach {supported}")
+    previous = ops.set_cpu_isa(request.param)
+    yield request.param
+    ops.set_cpu_isa(previous)
 
 
 def checkpoint_weight(fmt: str, out_features: int, in_features: int, group_size: int, act_order: bool,
@@ -41,7 +58,7 @@ LAYOUTS = [("awq", 32, False), ("awq", 64, False), ("awq", 128, False), ("awq", 
 
 @pytest.mark.parametrize("fmt,group_size,act_order", LAYOUTS)
 @pytest.mark.parametrize("rows", [1, 2, 5, 33, 97])
-def test_kernel_matches_reference(fmt, group_size, act_order, rows):
+def test_kernel_matches_reference(fmt, group_size, act_order, rows, cpu_path):
     out_features, in_features = (200, 256) if group_size != 32 else (72, 576)  # odd tile counts: 200 = 4 * 50, 72 = 4 * 18
     q = checkpoint_weight(fmt, out_features, in_features, group_size, act_order, seed=rows)
     packed = repack_int4(q.codes, q.scales, q.zeros, q.g_idx)
@@ -59,7 +76,7 @@ def test_kernel_matches_reference(fmt, group_size, act_order, rows):
 
 
 @pytest.mark.parametrize("out_features", [1, 3, 5, 7, 13])
-def test_odd_output_widths(out_features):
+def test_odd_output_widths(out_features, cpu_path):
     q = checkpoint_weight("gptq", out_features * 8, 64, 32, False, seed=out_features)
     codes, scales, zeros = q.codes[:out_features], q.scales[:out_features], q.zeros[:out_features]
     packed = repack_int4(codes, scales, zeros, q.g_idx)
@@ -68,7 +85,7 @@ def test_odd_output_widths(out_features):
     assert (run(x, packed) - ref).abs().max().item() < 1e-5 * ref.abs().max().item() + 1e-6
 
 
-def test_rows_do_not_depend_on_the_batch():
+def test_rows_do_not_depend_on_the_batch(cpu_path):
     """Bitwise: a row's output is the same alone, in any batch size, at any position."""
     q = checkpoint_weight("awq", 136, 576, 64, False, seed=3)
     packed = repack_int4(q.codes, q.scales, q.zeros, q.g_idx)
@@ -80,7 +97,7 @@ def test_rows_do_not_depend_on_the_batch():
     assert torch.equal(run(x.flip(0).contiguous(), packed), full.flip(0))
 
 
-def test_bias_and_zero_rows():
+def test_bias_and_zero_rows(cpu_path):
     q = checkpoint_weight("awq", 64, 128, 64, False, seed=5)
     packed = repack_int4(q.codes, q.scales, q.zeros, q.g_idx)
     x = torch.randn(4, 128, generator=torch.Generator().manual_seed(6))
@@ -89,6 +106,56 @@ def test_bias_and_zero_rows():
     assert run(torch.empty(0, 128), packed).shape == (0, 64)
     x[1] = 0  # an all-zero block has scale 0: its codes are 0, not NaN
     assert torch.isfinite(run(x, packed)).all() and (run(x, packed)[1] == 0).all()
+
+
+def paths_here() -> list[str]:
+    ops = cpu_ops()
+    return PATHS[: PATHS.index(ops.cpu_isa_supported()) + 1] if ops is not None else []
+
+
+def each_path(fn) -> dict[str, torch.Tensor]:
+    """fn() under each SIMD path this CPU has, the cap restored after."""
+    ops, out = cpu_ops(), {}
+    for path in paths_here():
+        previous = ops.set_cpu_isa(path)
+        try:
+            out[path] = fn()
+        finally:
+            ops.set_cpu_isa(previous)
+    return out
+
+
+@pytest.mark.skipif(len(paths_here()) < 2, reason="one SIMD path on this CPU: nothing to compare")
+@pytest.mark.parametrize("fmt,group_size,act_order,out_features,in_features",
+                         [("awq", 64, False, 200, 576), ("gptq", 32, True, 72, 1536), ("gptq", 128, True, 24, 256),
+                          ("awq", -1, False, 8, 96), ("awq", 32, False, 136, 64)])
+def test_paths_agree_bitwise(fmt, group_size, act_order, out_features, in_features):
+    """Integer block dots are exact and every path does the same fp32 steps in the same order:
+    the outputs are bitwise equal, for every row count (decode, batched decode, prompt chunks
+    on both sides of the AMX threshold), odd tile counts, act-order and bias."""
+    q = checkpoint_weight(fmt, out_features, in_features, group_size, act_order, seed=out_features)
+    packed = repack_int4(q.codes, q.scales, q.zeros, q.g_idx)
+    x = torch.randn(97, in_features, generator=torch.Generator().manual_seed(11))
+    bias = torch.randn(out_features, generator=torch.Generator().manual_seed(12))
+    for rows in (1, 2, 3, 4, 7, 8, 9, 15, 16, 17, 31, 32, 33, 48, 97):
+        xs = x[:rows].contiguous()
+        outs = each_path(lambda: run(xs, packed, bias))
+        for path, out in outs.items():
+            assert torch.equal(out, outs["avx2"]), (path, rows)
+    ref = reference_int4_linear(x, packed, bias)
+    assert (outs["avx2"] - ref).abs().max().item() < 1e-5 * ref.abs().max().item() + 1e-6
+
+
+@pytest.mark.skipif(len(paths_here()) < 2, reason="one SIMD path on this CPU: nothing to compare")
+def test_int8_paths_agree_bitwise():
+    gen = torch.Generator().manual_seed(13)
+    packed = repack_int8(torch.randn(40, 608, generator=gen) * 0.05)  # 5 tiles, 19 blocks
+    x = torch.randn(37, 608, generator=gen)
+    for rows in (1, 4, 5, 37):
+        xs = x[:rows].contiguous()
+        outs = each_path(lambda: int8_kernel(xs, packed.codes, packed.scales, packed.out_features))
+        for path, out in outs.items():
+            assert torch.equal(out, outs["avx2"]), (path, rows)
 
 
 def test_activation_codes_round_half_to_even_like_the_kernel():
@@ -120,7 +187,7 @@ int8_kernel = int8_linear_kernel()
 
 @pytest.mark.parametrize("rows", [1, 3, 4, 33])
 @pytest.mark.parametrize("out_features", [8, 13, 200])
-def test_int8_kernel_matches_reference(rows, out_features):
+def test_int8_kernel_matches_reference(rows, out_features, cpu_path):
     gen = torch.Generator().manual_seed(rows * 100 + out_features)
     w = torch.randn(out_features, 576, generator=gen) * 0.05
     packed = repack_int8(w)

@@ -3,39 +3,65 @@
 // Decode reads every weight once per step, so the bytes of the weights set the floor: 4-bit
 // codes are 8x fewer than fp32. The activations are quantized on the fly to int8, one scale
 // per 32 values (llama.cpp's Q8_1 for its Q4_1 x Q8_1 dot product), so weights meet them in
-// integer dot products: AVX2's maddubs (u8 codes x s8 activations -> s16 pairs). With fp32
-// activations every weight would need its own convert-and-FMA instead (~3x the instructions);
-// the int8 rounding costs a KLD measured in docs/benchmarks.md.
+// integer dot products (u8 codes x s8 activations). With fp32 activations every weight would
+// need its own convert-and-FMA instead (~3x the instructions); the int8 rounding costs a KLD
+// measured in docs/benchmarks.md.
 //
 // Weight layout (repacked once at load by kernels/cpu_int4.py): output rows in tiles of 8,
 // interleaved so that one 32-byte load holds 4 consecutive codes of each of the 8 rows (low
-// nibbles) and 4 more, 16 columns on (high nibbles). Per 32 columns of a tile: 4 loads give 8
-// registers; each meets a broadcast of the matching 4 activation bytes in one maddubs, the 8
-// s16 results add up (|sum| <= 8 * 2 * 15 * 127 < 2^15), and one madd leaves the 8 rows' dot
-// products in the 8 lanes: no horizontal sums, and the group scales of 8 rows are one vector.
-// Groups are contiguous runs of `group_blocks` blocks of 32 columns with a float scale s and
-// s * zero per row: w = (code - zero) * s, so a group's dot product is
-// s * sum(code * x) - s * zero * sum(x), the second term from the activations' block sums.
+// nibbles) and 4 more, 16 columns on (high nibbles): 4 loads and a mask/shift give 8 vectors,
+// each the 8 rows' codes for 4 consecutive columns, which meet a broadcast of the matching 4
+// activation bytes, so the 8 rows' dot products land in 8 lanes: no horizontal sums, and the
+// group scales of 8 rows are one vector. Groups are contiguous runs of `group_blocks` blocks
+// of 32 columns with a float scale s and s * zero per row: w = (code - zero) * s, so a
+// group's dot product is s * sum(code * x) - s * zero * sum(x), the second term from the
+// activations' block sums.
 //
-// Every output element is the same arithmetic whatever the tile it falls in and however many
-// rows x has (per block: one integer dot, one FMA into its lane; per group one FMA for the zero
-// term): a sequence's result does not depend on the rest of the batch, and prompt chunks and
-// decode steps compute a token's projections identically.
+// Three paths compute the integer block dot products, chosen at run time (csrc/isa.h):
+// - avx2: maddubs (u8 x s8 -> s16 pairs; the 8 results add up without overflow,
+//   |sum| <= 8 * 2 * 15 * 127 < 2^15) and one madd to s32; 8 rows (one tile) per vector.
+// - avx512 (AVX-512 VNNI): dpbusd (u8 x s8, 4 products into s32) on 16 lanes, two tiles side
+//   by side in one register, a few rows of x per weight load. Decode and batched decode.
+// - amx (AMX-INT8): for many rows of x (prompt chunks, >= kAmxMinRows), tdpbssd multiplies 16
+//   rows of x by a 16-output-row block of codes unpacked to bytes, one 32-column block per tile
+//   product, and AVX-512 scales each block's 16 x 16 integer results in fp32.
+// Integer dot products are exact, and every path then does the same fp32 arithmetic per output
+// element in the same order (per block: float(dot) times the product scale_w * scale_x, one
+// FMA into the element's accumulator; per group one FMA for the zero term; at the end acc -
+// zero term): every output element is bitwise the same whatever the path, the tile it falls in
+// and however many rows x has. A sequence's result does not depend on the rest of the batch,
+// prompt chunks and decode steps compute a token's projections identically, and a machine's
+// paths agree bitwise (tests/test_cpu_int4.py runs each one this CPU has).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cmath>
 #include <vector>
+#include "isa.h"
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
+using llmopt_isa::kAmx;
+using llmopt_isa::kAvx2;
+using llmopt_isa::kAvx512;
+
 constexpr int64_t kBlock = 32;
+constexpr int64_t kTile = 8;  // output rows interleaved together
+
+// Rows of x from which the AMX path is taken: at and above it, measured faster than the VNNI
+// path on the default model's projections (docs/benchmarks.md, "int4 kernel paths").
+constexpr int64_t kAmxMinRows = 32;
+constexpr int64_t kAmxRows = 16;  // rows of x per tile product
 
 // Activations of M rows quantized per 32-value block: codes, block scales, and per weight
-// group the sum over its blocks of scale * sum(codes) (the zero-point term's factor).
+// group the sum over its blocks of scale * sum(codes) (the zero-point term's factor). Rows
+// from M up to `rows` (a multiple of the AMX tile height when that path runs) are zeros.
 struct QuantizedRows {
-  std::vector<int8_t> q;     // [M, K]
-  std::vector<float> d;      // [M, K / 32]
-  std::vector<float> gsum;   // [M, groups]
+  std::vector<int8_t> q;     // [rows, K]
+  std::vector<float> d;      // [rows, K / 32]
+  std::vector<float> gsum;   // [rows, groups]
 };
 
 // d = max|x| / 127, q = round-half-even(x * (1 / d)): two correctly rounded fp32 operations,
@@ -55,30 +81,31 @@ inline void quantize_block_scalar(const float* x, int8_t* q, float* d_out, int32
   *sum_out = sum;
 }
 
-QuantizedRows quantize_rows(const float* x, int64_t M, int64_t K, int64_t group_blocks, const int64_t* perm) {
+QuantizedRows quantize_rows(const float* x, int64_t M, int64_t K, int64_t group_blocks, const int64_t* perm,
+                            int64_t rows) {
   const int64_t nb = K / kBlock, groups = nb / group_blocks;
-  QuantizedRows r{std::vector<int8_t>(M * K), std::vector<float>(M * nb), std::vector<float>(M * groups)};
-  std::vector<float> row(perm != nullptr ? K : 0);
-  for (int64_t m = 0; m < M; ++m) {
-    const float* xr = x + m * K;
-    if (perm != nullptr) {  // act-order checkpoints: columns in the order the groups were stored
-      for (int64_t k = 0; k < K; ++k) row[k] = xr[perm[k]];
-      xr = row.data();
-    }
-    for (int64_t g = 0; g < groups; ++g) {
-      float gs = 0.f;
-      for (int64_t b = g * group_blocks; b < (g + 1) * group_blocks; ++b) {
-        int32_t sum;
-        quantize_block_scalar(xr + b * kBlock, r.q.data() + m * K + b * kBlock, r.d.data() + m * nb + b, &sum);
-        gs = std::fma(r.d[m * nb + b], static_cast<float>(sum), gs);
+  QuantizedRows r{std::vector<int8_t>(rows * K), std::vector<float>(rows * nb), std::vector<float>(rows * groups)};
+  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(perm != nullptr ? K : 0);
+    for (int64_t m = begin; m < end; ++m) {
+      const float* xr = x + m * K;
+      if (perm != nullptr) {  // act-order checkpoints: columns in the order the groups were stored
+        for (int64_t k = 0; k < K; ++k) row[k] = xr[perm[k]];
+        xr = row.data();
       }
-      r.gsum[m * groups + g] = gs;
+      for (int64_t g = 0; g < groups; ++g) {
+        float gs = 0.f;
+        for (int64_t b = g * group_blocks; b < (g + 1) * group_blocks; ++b) {
+          int32_t sum;
+          quantize_block_scalar(xr + b * kBlock, r.q.data() + m * K + b * kBlock, r.d.data() + m * nb + b, &sum);
+          gs = std::fma(r.d[m * nb + b], static_cast<float>(sum), gs);
+        }
+        r.gsum[m * groups + g] = gs;
+      }
     }
-  }
+  });
   return r;
 }
-
-constexpr int64_t kTile = 8;  // output rows interleaved together
 
 struct Int4Weights {
   const uint8_t* codes;  // [N / 8, K / 32, 128]: tile, block, interleaved bytes
@@ -87,12 +114,66 @@ struct Int4Weights {
   int64_t K, groups, group_blocks;
 };
 
+struct Int8Weights {
+  const int8_t* codes;  // [N / 8, K / 32, 256]: tile, block, 8 chunks of 4 columns x 8 rows
+  const float* scales;  // [N / 8, K / 32, 8]
+  int64_t K;
+};
+
+// ---- portable C++: the same blocks, sums and fp32 order, one element at a time ----
+
+template <int MT>
+inline void int4_tile_scalar(const Int4Weights& W, int64_t t, const QuantizedRows& X, int64_t m0, float* out,
+                             int64_t ldo) {
+  const int64_t K = W.K, G = W.groups, nb = K / kBlock;
+  const uint8_t* codes = W.codes + t * nb * 128;
+  for (int m = 0; m < MT; ++m)
+    for (int r = 0; r < kTile; ++r) {
+      const int8_t* x = X.q.data() + (m0 + m) * K;
+      float acc = 0.f, zacc = 0.f;
+      for (int64_t g = 0; g < G; ++g) {
+        const float s = W.scales[(t * G + g) * kTile + r];
+        for (int64_t b = g * W.group_blocks; b < (g + 1) * W.group_blocks; ++b) {
+          int32_t dot = 0;
+          for (int c = 0; c < 4; ++c)
+            for (int i = 0; i < 4; ++i) {
+              const uint8_t byte = codes[b * 128 + c * 32 + r * 4 + i];
+              dot += (byte & 0x0F) * x[b * kBlock + c * 4 + i] + (byte >> 4) * x[b * kBlock + 16 + c * 4 + i];
+            }
+          acc = std::fma(static_cast<float>(dot), s * X.d[(m0 + m) * nb + b], acc);
+        }
+        zacc = std::fma(W.scaled_zeros[(t * G + g) * kTile + r], X.gsum[(m0 + m) * G + g], zacc);
+      }
+      out[m * ldo + r] = acc - zacc;
+    }
+}
+
+template <int MT>
+inline void int8_tile_scalar(const Int8Weights& W, int64_t t, const QuantizedRows& X, int64_t m0, float* out,
+                             int64_t ldo) {
+  const int64_t K = W.K, nb = K / kBlock;
+  for (int m = 0; m < MT; ++m)
+    for (int r = 0; r < kTile; ++r) {
+      const int8_t* x = X.q.data() + (m0 + m) * K;
+      float acc = 0.f;
+      for (int64_t b = 0; b < nb; ++b) {
+        int32_t dot = 0;
+        for (int c = 0; c < 8; ++c)
+          for (int i = 0; i < 4; ++i) dot += W.codes[(t * nb + b) * 256 + c * 32 + r * 4 + i] * x[b * kBlock + c * 4 + i];
+        acc = std::fma(static_cast<float>(dot), W.scales[(t * nb + b) * kTile + r] * X.d[(m0 + m) * nb + b], acc);
+      }
+      out[m * ldo + r] = acc;
+    }
+}
+
+// ---- AVX2 ----
+
 #if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
 
 // the 8 output rows of tile `t` against MT rows of x (from m0); out has row stride ldo
 template <int MT>
-inline void int4_tile(const Int4Weights& W, int64_t t, const QuantizedRows& X, int64_t m0, float* out, int64_t ldo) {
+inline void int4_tile_avx2(const Int4Weights& W, int64_t t, const QuantizedRows& X, int64_t m0, float* out,
+                           int64_t ldo) {
   const int64_t K = W.K, G = W.groups, nb = K / kBlock;
   const __m256i ones = _mm256_set1_epi16(1);
   const __m256i low = _mm256_set1_epi8(0x0F);
@@ -125,16 +206,12 @@ inline void int4_tile(const Int4Weights& W, int64_t t, const QuantizedRows& X, i
   for (int m = 0; m < MT; ++m) _mm256_storeu_ps(out + m * ldo, _mm256_sub_ps(acc[m], zacc[m]));
 }
 
-struct Int8Weights {
-  const int8_t* codes;  // [N / 8, K / 32, 256]: tile, block, 8 chunks of 4 columns x 8 rows
-  const float* scales;  // [N / 8, K / 32, 8]
-  int64_t K;
-};
-
 // Symmetric 8-bit weights (llama.cpp's Q8_0: one scale per 32 columns) against int8
-// activations: maddubs needs an unsigned operand, so |w| meets x with w's sign moved onto it.
+// activations: maddubs needs an unsigned operand, so |w| meets x with w's sign moved onto it
+// (|w|, |x| <= 127: a pair's sum stays below 2^15).
 template <int MT>
-inline void int8_tile(const Int8Weights& W, int64_t t, const QuantizedRows& X, int64_t m0, float* out, int64_t ldo) {
+inline void int8_tile_avx2(const Int8Weights& W, int64_t t, const QuantizedRows& X, int64_t m0, float* out,
+                           int64_t ldo) {
   const int64_t K = W.K, nb = K / kBlock;
   const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[MT];
@@ -154,83 +231,262 @@ inline void int8_tile(const Int8Weights& W, int64_t t, const QuantizedRows& X, i
     }
     const __m256 vs = _mm256_loadu_ps(W.scales + (t * nb + b) * kTile);
     for (int m = 0; m < MT; ++m)
-      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[m]), _mm256_mul_ps(vs, _mm256_set1_ps(X.d[(m0 + m) * nb + b])), acc[m]);
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[m]), _mm256_mul_ps(vs, _mm256_set1_ps(X.d[(m0 + m) * nb + b])),
+                               acc[m]);
   }
   for (int m = 0; m < MT; ++m) _mm256_storeu_ps(out + m * ldo, acc[m]);
 }
 
-bool int4_simd() { return true; }
+#endif
 
-#else  // portable C++: the same blocks and sums (not bitwise the AVX2 order)
+// ---- AVX-512 VNNI ----
 
+#if LLMOPT_COMPILED_AVX512
+
+// two 32-byte halves (tile t and tile t + 1, same block and chunk) in one register
+inline __m512i load_pair(const uint8_t* a, const uint8_t* b) {
+  return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a))),
+                            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)), 1);
+}
+
+inline __m512 load_pair_ps(const float* a, const float* b) {
+  return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(_mm256_loadu_ps(a))),
+                                             _mm256_castps_pd(_mm256_loadu_ps(b)), 1));
+}
+
+// the 16 output rows of tiles t and t + 1 against MT rows of x (from m0): lanes 0-7 are tile
+// t's rows, 8-15 tile t + 1's, so one activation broadcast serves both tiles
 template <int MT>
-inline void int4_tile(const Int4Weights& W, int64_t t, const QuantizedRows& X, int64_t m0, float* out, int64_t ldo) {
+inline void int4_pair_vnni(const Int4Weights& W, int64_t t, const QuantizedRows& X, int64_t m0, float* out,
+                           int64_t ldo) {
   const int64_t K = W.K, G = W.groups, nb = K / kBlock;
-  const uint8_t* codes = W.codes + t * nb * 128;
-  for (int m = 0; m < MT; ++m)
-    for (int r = 0; r < kTile; ++r) {
-      const int8_t* x = X.q.data() + (m0 + m) * K;
-      float acc = 0.f, zacc = 0.f;
-      for (int64_t g = 0; g < G; ++g) {
-        const float s = W.scales[(t * G + g) * kTile + r];
-        for (int64_t b = g * W.group_blocks; b < (g + 1) * W.group_blocks; ++b) {
-          int32_t dot = 0;
-          for (int c = 0; c < 4; ++c)
-            for (int i = 0; i < 4; ++i) {
-              const uint8_t byte = codes[b * 128 + c * 32 + r * 4 + i];
-              dot += (byte & 0x0F) * x[b * kBlock + c * 4 + i] + (byte >> 4) * x[b * kBlock + 16 + c * 4 + i];
-            }
-          acc = std::fma(static_cast<float>(dot), s * X.d[(m0 + m) * nb + b], acc);
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  __m512 acc[MT], zacc[MT];
+  for (int m = 0; m < MT; ++m) acc[m] = zacc[m] = _mm512_setzero_ps();
+  const uint8_t* c0 = W.codes + t * nb * 128;
+  const uint8_t* c1 = c0 + nb * 128;
+  const float* s0 = W.scales + t * G * kTile;
+  const float* z0 = W.scaled_zeros + t * G * kTile;
+  for (int64_t g = 0; g < G; ++g) {
+    const __m512 vs = load_pair_ps(s0 + g * kTile, s0 + (G + g) * kTile);
+    for (int64_t b = g * W.group_blocks; b < (g + 1) * W.group_blocks; ++b) {
+      __m512i w[8];  // w[j]: columns 4j..4j+3 of the block, 4 bytes per row, 16 rows
+      for (int c = 0; c < 4; ++c) {
+        const __m512i v = load_pair(c0 + b * 128 + c * 32, c1 + b * 128 + c * 32);
+        w[c] = _mm512_and_si512(v, low);
+        w[c + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+      }
+      for (int m = 0; m < MT; ++m) {
+        const int32_t* x4 = reinterpret_cast<const int32_t*>(X.q.data() + (m0 + m) * K + b * kBlock);
+        // two independent chains (integer sums: the split does not change the result)
+        __m512i d0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], _mm512_set1_epi32(x4[0]));
+        __m512i d1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[1], _mm512_set1_epi32(x4[1]));
+        for (int j = 2; j < 8; j += 2) {
+          d0 = _mm512_dpbusd_epi32(d0, w[j], _mm512_set1_epi32(x4[j]));
+          d1 = _mm512_dpbusd_epi32(d1, w[j + 1], _mm512_set1_epi32(x4[j + 1]));
         }
-        zacc = std::fma(W.scaled_zeros[(t * G + g) * kTile + r], X.gsum[(m0 + m) * G + g], zacc);
+        const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(d0, d1));
+        acc[m] = _mm512_fmadd_ps(dot, _mm512_mul_ps(vs, _mm512_set1_ps(X.d[(m0 + m) * nb + b])), acc[m]);
       }
-      out[m * ldo + r] = acc - zacc;
     }
+    const __m512 vz = load_pair_ps(z0 + g * kTile, z0 + (G + g) * kTile);
+    for (int m = 0; m < MT; ++m) zacc[m] = _mm512_fmadd_ps(vz, _mm512_set1_ps(X.gsum[(m0 + m) * G + g]), zacc[m]);
+  }
+  for (int m = 0; m < MT; ++m) _mm512_storeu_ps(out + m * ldo, _mm512_sub_ps(acc[m], zacc[m]));
 }
 
-struct Int8Weights {
-  const int8_t* codes;
-  const float* scales;
-  int64_t K;
-};
-
+// int8 weights: AVX2's sign trick, with dpbusd in place of maddubs + madd + add
 template <int MT>
-inline void int8_tile(const Int8Weights& W, int64_t t, const QuantizedRows& X, int64_t m0, float* out, int64_t ldo) {
+inline void int8_tile_vnni(const Int8Weights& W, int64_t t, const QuantizedRows& X, int64_t m0, float* out,
+                           int64_t ldo) {
   const int64_t K = W.K, nb = K / kBlock;
-  for (int m = 0; m < MT; ++m)
-    for (int r = 0; r < kTile; ++r) {
-      const int8_t* x = X.q.data() + (m0 + m) * K;
-      float acc = 0.f;
-      for (int64_t b = 0; b < nb; ++b) {
-        int32_t dot = 0;
-        for (int c = 0; c < 8; ++c)
-          for (int i = 0; i < 4; ++i) dot += W.codes[(t * nb + b) * 256 + c * 32 + r * 4 + i] * x[b * kBlock + c * 4 + i];
-        acc = std::fma(static_cast<float>(dot), W.scales[(t * nb + b) * kTile + r] * X.d[(m0 + m) * nb + b], acc);
+  __m256 acc[MT];
+  for (int m = 0; m < MT; ++m) acc[m] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const int8_t* wb = W.codes + (t * nb + b) * 256;
+    __m256i dot[MT];
+    for (int m = 0; m < MT; ++m) dot[m] = _mm256_setzero_si256();
+    for (int c = 0; c < 8; ++c) {
+      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + c * 32));
+      const __m256i aw = _mm256_sign_epi8(w, w);
+      for (int m = 0; m < MT; ++m) {
+        const int32_t* x4 = reinterpret_cast<const int32_t*>(X.q.data() + (m0 + m) * K + b * kBlock);
+        dot[m] = _mm256_dpbusd_epi32(dot[m], aw, _mm256_sign_epi8(_mm256_set1_epi32(x4[c]), w));
       }
-      out[m * ldo + r] = acc;
     }
+    const __m256 vs = _mm256_loadu_ps(W.scales + (t * nb + b) * kTile);
+    for (int m = 0; m < MT; ++m)
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[m]), _mm256_mul_ps(vs, _mm256_set1_ps(X.d[(m0 + m) * nb + b])),
+                               acc[m]);
+  }
+  for (int m = 0; m < MT; ++m) _mm256_storeu_ps(out + m * ldo, acc[m]);
 }
-
-bool int4_simd() { return false; }
 
 #endif
 
-// one tile of 8 output rows against all M rows of x: 4 x-rows at a time, then one by one
-inline void tile_rows(const Int4Weights& W, int64_t t, const QuantizedRows& X, int64_t M, float* out, int64_t ldo) {
-  int64_t m = 0;
-  for (; m + 4 <= M; m += 4) int4_tile<4>(W, t, X, m, out + m * ldo + t * kTile, ldo);
-  for (; m < M; ++m) int4_tile<1>(W, t, X, m, out + m * ldo + t * kTile, ldo);
+// ---- AMX-INT8 ----
+
+#if LLMOPT_COMPILED_AMX
+
+struct alignas(64) TileConfig {
+  uint8_t palette_id = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles: 0 and 3 a block's integer results C [16 rows of x, 16 output rows] (s32), 1 and 4
+// the activations A [16 rows of x, 32 bytes], 2 and 5 the codes B [8 groups of 4 columns, 16
+// output rows x 4 bytes] (tdpbssd: both signed; codes 0..15 fit); two sets, so that two
+// blocks' tile products are in flight at once.
+inline void amx_configure() {
+  TileConfig cfg;
+  for (int i : {0, 3}) cfg.rows[i] = kAmxRows, cfg.colsb[i] = 64;
+  for (int i : {1, 4}) cfg.rows[i] = kAmxRows, cfg.colsb[i] = kBlock;
+  for (int i : {2, 5}) cfg.rows[i] = kBlock / 4, cfg.colsb[i] = 64;
+  _tile_loadconfig(&cfg);
 }
 
-inline void int8_tile_rows(const Int8Weights& W, int64_t t, const QuantizedRows& X, int64_t M, float* out, int64_t ldo) {
+// Codes of tiles t and t + 1 as tdpbssd's B operand, per block 8 rows x 64 bytes: row j holds
+// columns 4j..4j+3 of the 16 output rows, exactly the pair layout the VNNI path builds.
+inline void amx_unpack_pair(const Int4Weights& W, int64_t t, int8_t* dst) {
+  const int64_t nb = W.K / kBlock;
+  const uint8_t* c0 = W.codes + t * nb * 128;
+  const uint8_t* c1 = c0 + nb * 128;
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  for (int64_t b = 0; b < nb; ++b)
+    for (int c = 0; c < 4; ++c) {
+      const __m512i v = load_pair(c0 + b * 128 + c * 32, c1 + b * 128 + c * 32);
+      _mm512_storeu_si512(dst + b * 512 + c * 64, _mm512_and_si512(v, low));
+      _mm512_storeu_si512(dst + b * 512 + (c + 4) * 64, _mm512_and_si512(_mm512_srli_epi16(v, 4), low));
+    }
+}
+
+// Tiles t and t + 1 against rows m0..m0+15 of x (rows of X up to a multiple of 16 exist; only
+// those below M are written); b_tiles from amx_unpack_pair, dots a buffer of K / 32 KiB. First
+// every block's integer results (tile stores), then the fp32 pass reads them: reading a tile
+// store's memory right after it stalls until the store completes, so the two are not interleaved.
+inline void int4_pair_amx(const Int4Weights& W, int64_t t, const int8_t* b_tiles, int32_t* dots,
+                          const QuantizedRows& X, int64_t m0, int64_t M, float* out, int64_t ldo) {
+  const int64_t K = W.K, G = W.groups, nb = K / kBlock;
+  const int8_t* a = X.q.data() + m0 * K;
+  int64_t b = 0;
+  for (; b + 2 <= nb; b += 2) {
+    _tile_loadd(1, a + b * kBlock, K);
+    _tile_loadd(2, b_tiles + b * 512, 64);
+    _tile_zero(0);
+    _tile_loadd(4, a + (b + 1) * kBlock, K);
+    _tile_loadd(5, b_tiles + (b + 1) * 512, 64);
+    _tile_zero(3);
+    _tile_dpbssd(0, 1, 2);
+    _tile_dpbssd(3, 4, 5);
+    _tile_stored(0, dots + b * 256, 64);
+    _tile_stored(3, dots + (b + 1) * 256, 64);
+  }
+  if (b < nb) {
+    _tile_loadd(1, a + b * kBlock, K);
+    _tile_loadd(2, b_tiles + b * 512, 64);
+    _tile_zero(0);
+    _tile_dpbssd(0, 1, 2);
+    _tile_stored(0, dots + b * 256, 64);
+  }
+  const float* s0 = W.scales + t * G * kTile;
+  const float* z0 = W.scaled_zeros + t * G * kTile;
+  alignas(64) float zacc[kAmxRows * 16] = {};
+  __m512 acc[kAmxRows];
+  for (int r = 0; r < kAmxRows; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    const __m512 vs = load_pair_ps(s0 + g * kTile, s0 + (G + g) * kTile);
+    for (b = g * W.group_blocks; b < (g + 1) * W.group_blocks; ++b) {
+      const int32_t* c = dots + b * 256;
+      const float* xd = X.d.data() + m0 * nb + b;
+      for (int r = 0; r < kAmxRows; ++r) {
+        const __m512 dot = _mm512_cvtepi32_ps(_mm512_load_si512(c + r * 16));
+        acc[r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(vs, _mm512_set1_ps(xd[r * nb])), acc[r]);
+      }
+    }
+    const __m512 vz = load_pair_ps(z0 + g * kTile, z0 + (G + g) * kTile);
+    for (int r = 0; r < kAmxRows; ++r)
+      _mm512_store_ps(zacc + r * 16, _mm512_fmadd_ps(vz, _mm512_set1_ps(X.gsum[(m0 + r) * G + g]),
+                                                     _mm512_load_ps(zacc + r * 16)));
+  }
+  for (int r = 0; r < kAmxRows && m0 + r < M; ++r)
+    _mm512_storeu_ps(out + (m0 + r) * ldo, _mm512_sub_ps(acc[r], _mm512_load_ps(zacc + r * 16)));
+}
+
+#endif
+
+// ---- dispatch ----
+
+// tile t (8 output rows) against all M rows of x on the scalar or AVX2 path: 4 x-rows at a time
+template <typename Weights, void (*Tile4)(const Weights&, int64_t, const QuantizedRows&, int64_t, float*, int64_t),
+          void (*Tile1)(const Weights&, int64_t, const QuantizedRows&, int64_t, float*, int64_t)>
+inline void rows_of_tile(const Weights& W, int64_t t, const QuantizedRows& X, int64_t M, float* out, int64_t ldo) {
   int64_t m = 0;
-  for (; m + 4 <= M; m += 4) int8_tile<4>(W, t, X, m, out + m * ldo + t * kTile, ldo);
-  for (; m < M; ++m) int8_tile<1>(W, t, X, m, out + m * ldo + t * kTile, ldo);
+  for (; m + 4 <= M; m += 4) Tile4(W, t, X, m, out + m * ldo + t * kTile, ldo);
+  for (; m < M; ++m) Tile1(W, t, X, m, out + m * ldo + t * kTile, ldo);
+}
+
+inline void int4_tile_rows(int isa, const Int4Weights& W, int64_t t, const QuantizedRows& X, int64_t M, float* out,
+                           int64_t ldo) {
+#if defined(__AVX2__) && defined(__FMA__)
+  if (isa >= kAvx2) return rows_of_tile<Int4Weights, int4_tile_avx2<4>, int4_tile_avx2<1>>(W, t, X, M, out, ldo);
+#endif
+  rows_of_tile<Int4Weights, int4_tile_scalar<4>, int4_tile_scalar<1>>(W, t, X, M, out, ldo);
+}
+
+inline void int8_tile_rows(int isa, const Int8Weights& W, int64_t t, const QuantizedRows& X, int64_t M, float* out,
+                           int64_t ldo) {
+#if LLMOPT_COMPILED_AVX512
+  if (isa >= kAvx512) return rows_of_tile<Int8Weights, int8_tile_vnni<4>, int8_tile_vnni<1>>(W, t, X, M, out, ldo);
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+  if (isa >= kAvx2) return rows_of_tile<Int8Weights, int8_tile_avx2<4>, int8_tile_avx2<1>>(W, t, X, M, out, ldo);
+#endif
+  rows_of_tile<Int8Weights, int8_tile_scalar<4>, int8_tile_scalar<1>>(W, t, X, M, out, ldo);
+}
+
+// Tiles [t0, t1) against all M rows of x. The wide paths take tiles in pairs (from t0, which is
+// even); an odd last tile goes through AVX2, whose results are bitwise the same.
+void int4_tiles(int isa, const Int4Weights& W, int64_t t0, int64_t t1, const QuantizedRows& X, int64_t M, float* out,
+                int64_t ldo) {
+  int64_t t = t0;
+#if LLMOPT_COMPILED_AMX
+  if (isa >= kAmx && M >= kAmxMinRows && t + 2 <= t1) {
+    const int64_t nb = W.K / kBlock;
+    std::vector<int8_t> b_tiles(nb * 512);
+    std::vector<int32_t> dots(nb * 256 + 16);  // + 16: room to align to 64 bytes
+    int32_t* d = dots.data() + (16 - reinterpret_cast<uintptr_t>(dots.data()) / 4 % 16) % 16;
+    amx_configure();
+    for (; t + 2 <= t1; t += 2) {
+      amx_unpack_pair(W, t, b_tiles.data());
+      for (int64_t m = 0; m < M; m += kAmxRows) int4_pair_amx(W, t, b_tiles.data(), d, X, m, M, out + t * kTile, ldo);
+    }
+    _tile_release();
+  }
+#endif
+#if LLMOPT_COMPILED_AVX512
+  if (isa >= kAvx512)
+    for (; t + 2 <= t1; t += 2) {
+      int64_t m = 0;
+      for (; m + 8 <= M; m += 8) int4_pair_vnni<8>(W, t, X, m, out + m * ldo + t * kTile, ldo);
+      for (; m + 4 <= M; m += 4) int4_pair_vnni<4>(W, t, X, m, out + m * ldo + t * kTile, ldo);
+      for (; m < M; ++m) int4_pair_vnni<1>(W, t, X, m, out + m * ldo + t * kTile, ldo);
+    }
+#endif
+  for (; t < t1; ++t) int4_tile_rows(isa, W, t, X, M, out, ldo);
 }
 
 }  // namespace
 
-bool int4_linear_simd() { return int4_simd(); }
+bool int4_linear_simd() {
+#if defined(__AVX2__) && defined(__FMA__)
+  return true;
+#else
+  return false;
+#endif
+}
 
 torch::Tensor int4_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor scaled_zeros,
                           int64_t out_features, int64_t group_size, c10::optional<torch::Tensor> perm,
@@ -256,13 +512,17 @@ torch::Tensor int4_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor sc
   // an output width that is not a multiple of 8 computes the padded rows and drops them
   auto padded = torch::empty({M, tiles * kTile}, x.options());
   if (M > 0) {
-    const QuantizedRows X = quantize_rows(x.data_ptr<float>(), M, K, group_size / kBlock, perm_ptr);
+    const int isa = llmopt_isa::active_isa();
+    const bool amx = isa >= kAmx && M >= kAmxMinRows;
+    const int64_t rows = amx ? (M + kAmxRows - 1) / kAmxRows * kAmxRows : M;
+    const QuantizedRows X = quantize_rows(x.data_ptr<float>(), M, K, group_size / kBlock, perm_ptr, rows);
     const Int4Weights W{codes.data_ptr<uint8_t>(), scales.data_ptr<float>(), scaled_zeros.data_ptr<float>(), K, groups,
                         group_size / kBlock};
     float* op = padded.data_ptr<float>();
     const int64_t ldo = tiles * kTile;
-    at::parallel_for(0, tiles, 4, [&](int64_t begin, int64_t end) {
-      for (int64_t t = begin; t < end; ++t) tile_rows(W, t, X, M, op, ldo);
+    // work in pairs of tiles (the wide paths' unit)
+    at::parallel_for(0, (tiles + 1) / 2, 2, [&](int64_t begin, int64_t end) {
+      int4_tiles(isa, W, 2 * begin, std::min(2 * end, tiles), X, M, op, ldo);
     });
   }
   auto out = N == tiles * kTile ? padded : padded.narrow(1, 0, N).contiguous();
@@ -284,12 +544,13 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor sc
               "int8_linear: scales fp32 [N / 8, K / 32, 8]");
   auto padded = torch::empty({M, tiles * kTile}, x.options());
   if (M > 0) {
-    const QuantizedRows X = quantize_rows(x.data_ptr<float>(), M, K, 1, nullptr);
+    const int isa = llmopt_isa::active_isa();
+    const QuantizedRows X = quantize_rows(x.data_ptr<float>(), M, K, 1, nullptr, M);
     const Int8Weights W{codes.data_ptr<int8_t>(), scales.data_ptr<float>(), K};
     float* op = padded.data_ptr<float>();
     const int64_t ldo = tiles * kTile;
     at::parallel_for(0, tiles, 4, [&](int64_t begin, int64_t end) {
-      for (int64_t t = begin; t < end; ++t) int8_tile_rows(W, t, X, M, op, ldo);
+      for (int64_t t = begin; t < end; ++t) int8_tile_rows(isa, W, t, X, M, op, ldo);
     });
   }
   return N == tiles * kTile ? padded : padded.narrow(1, 0, N).contiguous();

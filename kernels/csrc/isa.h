@@ -31,12 +31,24 @@ inline int isa_from_name(const std::string& name) {
   return -1;
 }
 
-// The widest path compiled into this build (AVX-512 means F+BW+VL+VNNI: the int8 dot products).
+// What this build compiled, for the preprocessor: kernels guard their wider code with these
+// (the same conditions as compiled_isa; AVX-512 means F+BW+VL+VNNI: the int8 dot products).
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
+#define LLMOPT_COMPILED_AVX512 1
+#else
+#define LLMOPT_COMPILED_AVX512 0
+#endif
+#if LLMOPT_COMPILED_AVX512 && defined(__AMX_INT8__) && defined(__AMX_TILE__)
+#define LLMOPT_COMPILED_AMX 1
+#else
+#define LLMOPT_COMPILED_AMX 0
+#endif
+
+// The widest path compiled into this build.
 constexpr int compiled_isa() {
-#if defined(__AMX_INT8__) && defined(__AMX_TILE__) && defined(__AVX512F__) && defined(__AVX512BW__) && \
-    defined(__AVX512VL__) && defined(__AVX512VNNI__)
+#if LLMOPT_COMPILED_AMX
   return kAmx;
-#elif defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
+#elif LLMOPT_COMPILED_AVX512
   return kAvx512;
 #elif defined(__AVX2__) && defined(__FMA__)
   return kAvx2;

@@ -85,8 +85,10 @@ def int4_linear(q: QuantizedWeight, bias: torch.Tensor | None, dtype: torch.dtyp
 class CpuInt4Linear(LinearBase):
     """fp32 in, fp32 out, 4-bit weights in the kernel's layout (`llmopt.kernels.cpu_int4`).
 
-    Every row count goes through the same kernel, so a token's projections are computed
-    identically in a prompt chunk and in a decode step, alone or in a batch.
+    Every row count goes through the same kernel (AVX-512 VNNI for decode batches, AMX tiles
+    for prompt chunks where the CPU has them; every path bitwise the same), so a token's
+    projections are computed identically in a prompt chunk and in a decode step, alone or in a
+    batch.
     """
 
     def __init__(self, packed: PackedInt4, bias: torch.Tensor | None, kernel):
