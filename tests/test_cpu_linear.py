@@ -128,6 +128,21 @@ def test_dense_linear_bf16_copy_serves_every_row_count():
         torch.testing.assert_close(layer(x), F.linear(x, layer.weight), rtol=0.02, atol=0.05)
 
 
+def test_auto_is_bf16_where_the_cpu_has_it_natively_and_the_isa_is_not_capped(fp32_matmul_auto_is_ieee, monkeypatch):
+    from llmopt.kernels import cpu_linear
+
+    native = fp32_matmul_auto_is_ieee  # the real check (the suite resolves auto to ieee)
+    ops = cpu_ops()
+    assert native() == (cpu_linear._cpu_has_bf16() and _onednn_bf16() and ops.cpu_isa() not in ("scalar", "avx2"))
+    previous = ops.set_cpu_isa("avx2")
+    try:
+        assert not native()  # LLMOPT_CPU_ISA=avx2: every product on the fp32 paths
+    finally:
+        ops.set_cpu_isa(previous)
+    monkeypatch.setattr(cpu_linear, "native_bf16", native)
+    assert uses_bf16("auto") == native()
+
+
 def test_fp32_matmul_precision_names():
     assert not uses_bf16("ieee")
     assert uses_bf16("bf16") == _onednn_bf16()
