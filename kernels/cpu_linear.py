@@ -1,21 +1,38 @@
-"""`x @ w.T (+ bias)` for fp32 on CPU when x has few rows, in C++ (`csrc/skinny_linear.cpp`).
+"""fp32 `x @ w.T (+ bias)` on CPU: the C++ few-row kernel (`csrc/skinny_linear.cpp`), and the
+bfloat16 path for prompt-sized row counts.
 
 A decode step multiplies a handful of rows (one per running sequence) by every weight
 matrix. MKL's GEMM, what `F.linear` runs, re-packs the weight on each call, and with few
 rows that copy outweighs the arithmetic: on the default model a batch-4 step spent twice
 as long in its linears as batch 1. The kernel reads each weight row once and dots it with
 all rows of x while it is in L1 (`llmopt bench kernels --device cpu` measures both). Larger
-inputs (prompt chunks, perplexity windows) keep MKL, which wins there.
+inputs (prompt chunks, perplexity windows) keep MKL, which wins there, or take the bf16 path.
+
+The bf16 path (`bf16_linear`): oneDNN's matmul with fp32 inputs and outputs in its bf16 math
+mode (PyTorch's `torch.backends.mkldnn.matmul.fp32_precision = "bf16"`): inputs rounded to
+bfloat16, products summed and returned in fp32. On CPUs with AMX-BF16 tiles or AVX512-BF16 dot
+products it multiplies several times faster than fp32 at prompt sizes; the rounding of the inputs
+is what it costs (relative error ~2^-9 per input, measured on the default model in
+docs/benchmarks.md).
 """
 
 from __future__ import annotations
 
+import functools
+import threading
+from pathlib import Path
 from typing import Callable
+
+import torch
+import torch.nn.functional as F
 
 from llmopt.kernels.cpu_extension import cpu_ops
 
 # up to this many rows the kernel beats MKL on this project's shapes (`llmopt bench kernels --device cpu`)
 SKINNY_MAX_ROWS = 96
+
+# what `fp32_matmul_precision` accepts: float32 throughout, bf16 inputs, or bf16 where the CPU has it natively
+FP32_MATMUL_PRECISIONS = ("auto", "ieee", "bf16")
 
 
 def skinny_linear_kernel() -> Callable | None:
@@ -23,3 +40,57 @@ def skinny_linear_kernel() -> Callable | None:
     where the CPU kernels cannot be built or the CPU lacks AVX2/FMA (then use `F.linear`)."""
     ops = cpu_ops()
     return ops.skinny_linear if ops is not None and ops.skinny_linear_available() else None
+
+
+def native_bf16() -> bool:
+    """Whether this CPU multiplies bfloat16 natively (AMX-BF16 tiles or AVX512-BF16 dot products:
+    `/proc/cpuinfo` flags amx_bf16, avx512_bf16), oneDNN can use it, and the CPU kernels' SIMD path is
+    not capped below AVX-512 (`LLMOPT_CPU_ISA=avx2` keeps every product on the AVX2-era fp32 paths).
+    Without native bf16 oneDNN emulates it at about the cost of fp32, so "auto" keeps fp32 there."""
+    ops = cpu_ops()
+    if ops is not None and ops.cpu_isa() in ("scalar", "avx2"):
+        return False
+    return _cpu_has_bf16() and _onednn_bf16()
+
+
+@functools.cache
+def _cpu_has_bf16() -> bool:
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    flags = set(next((line for line in info.splitlines() if line.startswith("flags")), "").split())
+    return bool(flags & {"amx_bf16", "avx512_bf16"})
+
+
+def _onednn_bf16() -> bool:
+    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def uses_bf16(precision: str) -> bool:
+    """Whether fp32 prompt-sized products take `bf16_linear` under `precision` (FP32_MATMUL_PRECISIONS):
+    "bf16" wherever oneDNN has a bf16 path, "auto" where the CPU has it natively, "ieee" never."""
+    if precision not in FP32_MATMUL_PRECISIONS:
+        raise ValueError(f"unknown fp32 matmul precision {precision!r}; choose one of: {', '.join(FP32_MATMUL_PRECISIONS)}")
+    if precision == "bf16":
+        return _onednn_bf16()
+    return precision == "auto" and native_bf16()
+
+
+# The bf16 math mode is a process-wide PyTorch setting, switched on only for the call; the lock keeps
+# two callers from switching it off under each other. An fp32 matmul on another thread during the
+# call would run in it too: the engine runs its model steps on one thread.
+_mode_lock = threading.Lock()
+
+
+def bf16_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(x, w, bias)` for fp32 CPU tensors with bf16-rounded inputs, fp32 sums and result
+    (oneDNN: AMX or AVX512-BF16 where the CPU has them)."""
+    matmul = torch.backends.mkldnn.matmul
+    with _mode_lock:
+        previous = matmul.fp32_precision
+        matmul.fp32_precision = "bf16"
+        try:
+            return F.linear(x, w, bias)
+        finally:
+            matmul.fp32_precision = previous

@@ -34,6 +34,19 @@ def llmopt_cache(tmp_path_factory) -> Path:
     return Path(os.environ["LLMOPT_CACHE"])
 
 
+@pytest.fixture(scope="session", autouse=True)
+def fp32_matmul_auto_is_ieee():
+    """The suite compares fp32 runs with float32 references (transformers, one-at-a-time runs) on every
+    machine: in-process, `--fp32-matmul-precision auto` resolves to ieee here, as on a CPU without
+    native bf16. The bf16 path is tested by asking for "bf16" (tests/test_cpu_linear.py)."""
+    from llmopt.kernels import cpu_linear
+
+    native = cpu_linear.native_bf16
+    cpu_linear.native_bf16 = lambda: False
+    yield native  # the real one, for the tests of it
+    cpu_linear.native_bf16 = native
+
+
 def make_byte_tokenizer():
     """A tiny byte-level BPE tokenizer: 256 byte tokens, a few merges, chat specials."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers

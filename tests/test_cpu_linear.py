@@ -1,4 +1,5 @@
-"""The C++ skinny linear kernel against a float64 reference, and how DenseLinear dispatches to it."""
+"""The C++ skinny linear kernel against a float64 reference on each SIMD path this CPU has, the bf16
+path of prompt-sized products, and how DenseLinear dispatches to them."""
 
 from __future__ import annotations
 
@@ -6,21 +7,42 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from llmopt.kernels.cpu_linear import SKINNY_MAX_ROWS, skinny_linear_kernel
+from llmopt.errors import LlmoptError
+from llmopt.kernels.cpu_extension import cpu_ops
+from llmopt.kernels.cpu_linear import SKINNY_MAX_ROWS, _onednn_bf16, bf16_linear, skinny_linear_kernel, uses_bf16
 from llmopt.model.backends import CpuBackend, ReferenceBackend
 from llmopt.model.linear import DenseLinear
+from llmopt.runtime.config import EngineConfig
 
 kernel = skinny_linear_kernel()
 pytestmark = pytest.mark.skipif(kernel is None, reason="the CPU kernels could not be built here (or no AVX2/FMA)")
+ISA_RANK = {"scalar": 0, "avx2": 1, "avx512": 2, "amx": 3}
+needs_onednn_bf16 = pytest.mark.skipif(not _onednn_bf16(), reason="oneDNN has no bf16 path on this CPU (no AVX-512)")
+
+
+@pytest.fixture(params=["avx2", "avx512"])
+def isa(request):
+    """Each SIMD path the build and this CPU have, forced in turn (`set_cpu_isa`); the others skip."""
+    ops = cpu_ops()
+    supported = ops.cpu_isa_supported()
+    if ISA_RANK[supported] < ISA_RANK[request.param]:
+        pytest.skip(f"this CPU and build allow the {supported} path, not {request.param}")
+    previous = ops.set_cpu_isa(request.param)
+    try:
+        yield request.param
+    finally:
+        ops.set_cpu_isa(previous)
 
 
 def _reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return F.linear(x.double(), w.double(), None if bias is None else bias.double())
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 7, 32, 96])
-@pytest.mark.parametrize("n_in,n_out", [(576, 960), (1536, 576), (37, 13), (8, 1), (576, 49152)])
-def test_matches_float64_reference(rows, n_in, n_out):
+@pytest.mark.parametrize("rows,n_in,n_out", [
+    *[(rows, n_in, n_out) for rows in (1, 2, 3, 5, 7, 32, 96) for n_in, n_out in ((576, 960), (1536, 576), (37, 13), (8, 1))],
+    (1, 576, 49152), (5, 576, 49152),  # the vocabulary projection: 8-row (batch 1) and 4 + 1 row tiles
+])
+def test_matches_float64_reference(rows, n_in, n_out, isa):
     gen = torch.Generator().manual_seed(rows * 1000 + n_out)
     x = torch.randn(rows, n_in, generator=gen)
     w = torch.randn(n_out, n_in, generator=gen) * n_in ** -0.5
@@ -40,8 +62,8 @@ def test_bias_is_added():
     torch.testing.assert_close(kernel(x, w, b) - kernel(x, w), b.expand(5, 10), rtol=1e-5, atol=1e-5)
 
 
-def test_a_rows_result_does_not_depend_on_the_other_rows():
-    """Bitwise: one sequence's logits are the same whatever else is in the decode batch."""
+def test_a_rows_result_does_not_depend_on_the_other_rows(isa):
+    """Bitwise, on each path: one sequence's logits are the same whatever else is in the decode batch."""
     gen = torch.Generator().manual_seed(4)
     x, w = torch.randn(17, 576, generator=gen), torch.randn(963, 576, generator=gen)
     batch = kernel(x, w)
@@ -83,7 +105,7 @@ def test_dense_linear_uses_the_kernel_for_few_rows_only():
 
 
 @pytest.mark.parametrize("rows", [1, 2, 7, 33, 130])
-def test_bf16_weights_match_their_float64_product(rows):
+def test_bf16_weights_match_their_float64_product(rows, isa):
     gen = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, 576, generator=gen)
     w = (torch.randn(1001, 576, generator=gen) * 576 ** -0.5).to(torch.bfloat16)
@@ -104,3 +126,83 @@ def test_dense_linear_bf16_copy_serves_every_row_count():
         x = torch.randn(rows, 64, generator=gen)
         assert torch.equal(layer(x), kernel(x, layer.bf16_weight))
         torch.testing.assert_close(layer(x), F.linear(x, layer.weight), rtol=0.02, atol=0.05)
+
+
+def test_auto_is_bf16_where_the_cpu_has_it_natively_and_the_isa_is_not_capped(fp32_matmul_auto_is_ieee, monkeypatch):
+    from llmopt.kernels import cpu_linear
+
+    native = fp32_matmul_auto_is_ieee  # the real check (the suite resolves auto to ieee)
+    ops = cpu_ops()
+    assert native() == (cpu_linear._cpu_has_bf16() and _onednn_bf16() and ops.cpu_isa() not in ("scalar", "avx2"))
+    previous = ops.set_cpu_isa("avx2")
+    try:
+        assert not native()  # LLMOPT_CPU_ISA=avx2: every product on the fp32 paths
+    finally:
+        ops.set_cpu_isa(previous)
+    monkeypatch.setattr(cpu_linear, "native_bf16", native)
+    assert uses_bf16("auto") == native()
+
+
+def test_fp32_matmul_precision_names():
+    assert not uses_bf16("ieee")
+    assert uses_bf16("bf16") == _onednn_bf16()
+    with pytest.raises(ValueError, match="choose one of"):
+        uses_bf16("tf32")
+    with pytest.raises(LlmoptError, match="fp32_matmul_precision"):
+        EngineConfig(fp32_matmul_precision="half")
+
+
+@needs_onednn_bf16
+@pytest.mark.parametrize("rows,n_in,n_out", [(97, 576, 960), (512, 1536, 576), (130, 37, 13)])
+def test_bf16_linear_is_the_product_of_bf16_rounded_inputs(rows, n_in, n_out):
+    """fp32 in and out, inputs rounded to bfloat16, sums in fp32: as close to the float64 product of the
+    rounded inputs as an fp32 GEMM is to its own; and PyTorch's math mode is back to what it was."""
+    gen = torch.Generator().manual_seed(rows + n_in)
+    x = torch.randn(rows, n_in, generator=gen)
+    w = torch.randn(n_out, n_in, generator=gen) * n_in ** -0.5
+    b = torch.randn(n_out, generator=gen)
+    before = torch.backends.mkldnn.matmul.fp32_precision
+    got = bf16_linear(x, w, b)
+    assert torch.backends.mkldnn.matmul.fp32_precision == before
+    assert got.dtype == torch.float32 and got.shape == (rows, n_out)
+    ref = _reference(x.bfloat16().float(), w.bfloat16().float(), b)
+    assert (got.double() - ref).abs().max().item() < 4e-7 * n_in ** 0.5 * ref.abs().max().item() + 1e-5
+    # and it is not the fp32 product: the rounding of the inputs shows
+    assert (got.double() - _reference(x, w, b)).abs().max().item() > 1e-4
+
+
+@needs_onednn_bf16
+def test_dense_linear_takes_bf16_for_prompt_sized_rows_only():
+    gen = torch.Generator().manual_seed(8)
+    layer = DenseLinear(64, 48, bias=True)
+    layer.weight.data = torch.randn(48, 64, generator=gen)
+    layer.bias.data = torch.randn(48, generator=gen)
+    layer.prepare(CpuBackend())
+    assert CpuBackend().fp32_prefill_linear("bf16") is bf16_linear
+    assert CpuBackend().fp32_prefill_linear("ieee") is None and ReferenceBackend().fp32_prefill_linear("bf16") is None
+    assert layer.use_prefill_kernel(bf16_linear)
+    few = torch.randn(SKINNY_MAX_ROWS, 64, generator=gen)
+    many = torch.randn(2, SKINNY_MAX_ROWS, 64, generator=gen)  # any leading shape
+    assert torch.equal(layer(few), kernel(few, layer.weight, layer.bias))  # decode steps stay fp32
+    out = layer(many)
+    assert out.shape == (2, SKINNY_MAX_ROWS, 48)
+    assert torch.equal(out.reshape(-1, 48), bf16_linear(many.reshape(-1, 64), layer.weight, layer.bias))
+    assert not layer.use_prefill_kernel(None)
+    assert torch.equal(layer(many), F.linear(many, layer.weight, layer.bias))
+    layer.to(torch.float64)  # not an fp32 weight: never bf16
+    assert not layer.use_prefill_kernel(bf16_linear)
+    layer.to(torch.float32)
+
+
+@needs_onednn_bf16
+def test_the_engine_flag_reaches_every_dense_layer(tiny_models):
+    from llmopt.loader import load
+    from llmopt.runtime import LLM
+
+    loaded = load(str(tiny_models["llama"]), dtype="float32")
+    dense = [m for m in loaded.model.modules() if isinstance(m, DenseLinear)]
+    assert dense and all(m.prefill is None for m in dense)  # a model loaded outside an engine: fp32
+    LLM(loaded, num_kv_blocks=16, fp32_matmul_precision="bf16")
+    assert all(m.prefill is bf16_linear for m in dense)
+    LLM(loaded, num_kv_blocks=16, fp32_matmul_precision="ieee")
+    assert all(m.prefill is None for m in dense)

@@ -11,7 +11,8 @@ from llmopt.loader import load
 from llmopt.runtime import LLM, AsyncLLM, EngineConfig, LLMEngine
 
 FLAGS = ["--max-num-seqs", "--max-num-batched-tokens", "--max-model-len", "--block-size", "--enable-prefix-caching",
-         "--kv-cache-memory", "--kv-cache-dtype", "--gpu-memory-utilization", "--dtype", "--device"]
+         "--kv-cache-memory", "--kv-cache-dtype", "--gpu-memory-utilization", "--dtype", "--device",
+         "--fp32-matmul-precision"]
 # bench latency sets max_num_seqs from --batch-size and runs without prefix caching or a length limit
 LATENCY_FLAGS = [f for f in FLAGS if f not in ("--max-num-seqs", "--max-model-len", "--enable-prefix-caching")]
 COMMANDS = [(["generate"], FLAGS), (["serve"], FLAGS), (["eval"], FLAGS), (["bench", "throughput"], FLAGS),
@@ -38,6 +39,7 @@ def test_a_bad_engine_flag_is_the_same_error_everywhere(tiny_models, command):
     args = [str(tiny_models["llama"]) if a == "M" else a for a in command]
     assert_usage_error([*args, "--kv-cache-memory", "lots"], "cannot read 'lots' as a size")
     assert_usage_error([*args, "--block-size", "0"], "block_size must be a positive integer")
+    assert_usage_error([*args, "--fp32-matmul-precision", "tf32"], "unknown fp32_matmul_precision 'tf32'")
 
 
 def test_engine_args_build_the_engine_config():

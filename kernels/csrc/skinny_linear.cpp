@@ -9,8 +9,14 @@
 // Every output element is the same arithmetic whatever the tile it falls in and whatever the
 // number of rows: 8 lane-wise partial sums over k in order, one fixed horizontal sum, then the
 // k tail. So a sequence's logits do not depend on what else is in the batch.
+//
+// With AVX-512 (`llmopt_isa::active_isa()`, chosen at run time) the same scheme runs on 16-float
+// lanes with 32 registers: 4 x rows by 6 weight rows per tile, half the instructions per product.
+// Its sums are grouped in 16 lanes, so its results differ from the AVX2 path's by float rounding;
+// within one path they still do not depend on the other rows.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include "isa.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include "vec_math.h"
@@ -65,10 +71,72 @@ static void all_rows(const float* x, int64_t M, const W* w, int64_t K, float* ou
   for (int64_t n = blocks * NT; n < N; ++n) weight_rows<1, W>(x, M, w + n * K, K, out + n, N);
 }
 
+#if defined(__AVX512F__)
+// 16 weights as floats (bf16 widened as in load8)
+static inline __m512 load16(const float* w) { return _mm512_loadu_ps(w); }
+static inline __m512 load16(const at::BFloat16* w) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// dot_tile on 16 lanes: 16 lane-wise partial sums over k in order, one fixed reduction, the k tail
+template <int NT, int MT, typename W>
+static inline void dot_tile16(const float* x, const W* w, int64_t K, float* out, int64_t ldo) {
+  __m512 acc[MT][NT];
+  for (int m = 0; m < MT; ++m)
+    for (int j = 0; j < NT; ++j) acc[m][j] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 16 <= K; k += 16) {
+    __m512 a[MT];
+    for (int m = 0; m < MT; ++m) a[m] = _mm512_loadu_ps(x + m * K + k);
+    for (int j = 0; j < NT; ++j) {
+      const __m512 b = load16(w + j * K + k);
+      for (int m = 0; m < MT; ++m) acc[m][j] = _mm512_fmadd_ps(a[m], b, acc[m][j]);
+    }
+  }
+  for (int m = 0; m < MT; ++m)
+    for (int j = 0; j < NT; ++j) {
+      float s = _mm512_reduce_add_ps(acc[m][j]);
+      for (int64_t t = k; t < K; ++t) s += x[m * K + t] * to_float(w[j * K + t]);
+      out[m * ldo + j] = s;
+    }
+}
+
+template <int NT, typename W>
+static inline void weight_rows16(const float* x, int64_t M, const W* w, int64_t K, float* out, int64_t N) {
+  int64_t m = 0;
+  for (; m + 4 <= M; m += 4) dot_tile16<NT, 4>(x + m * K, w, K, out + m * N, N);
+  for (; m + 2 <= M; m += 2) dot_tile16<NT, 2>(x + m * K, w, K, out + m * N, N);
+  for (; m < M; ++m) dot_tile16<NT, 1>(x + m * K, w, K, out + m * N, N);
+}
+
+template <int NT, typename W>
+static void all_rows16(const float* x, int64_t M, const W* w, int64_t K, float* out, int64_t N) {
+  const int64_t blocks = N / NT;
+  at::parallel_for(0, blocks, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) weight_rows16<NT, W>(x, M, w + b * NT * K, K, out + b * NT, N);
+  });
+  for (int64_t n = blocks * NT; n < N; ++n) weight_rows16<1, W>(x, M, w + n * K, K, out + n, N);
+}
+static constexpr bool kHaveAvx512 = true;
+#else
+template <int NT, typename W>
+static void all_rows16(const float*, int64_t, const W*, int64_t, float*, int64_t) {}
+static constexpr bool kHaveAvx512 = false;
+#endif
+
 bool skinny_linear_available() { return true; }
 
 template <typename W>
 static void skinny(const float* xp, int64_t M, const W* wp, int64_t K, float* op, int64_t N) {
+  if (kHaveAvx512 && llmopt_isa::active_isa() >= llmopt_isa::kAvx512) {
+    // 4 x rows by 6 weight rows: 24 of the 32 registers accumulate; batch 1 streams 8 weight rows
+    if (M == 1)
+      all_rows16<8, W>(xp, M, wp, K, op, N);
+    else
+      all_rows16<6, W>(xp, M, wp, K, op, N);
+    return;
+  }
   // 6 weight rows x 2 x rows: 12 accumulators, as many as AVX2's 16 registers allow with the
   // operands. One x row (batch 1) is memory-bound: 8 weight rows at a time streams best.
   if (M == 1)

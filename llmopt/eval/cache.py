@@ -32,6 +32,7 @@ from llmopt.core.atomic import atomic_dir, atomic_file
 from llmopt.core.embedded import cache_root
 from llmopt.core.source import ModelSource
 from llmopt.kernels.cpu_extension import kernels_identity
+from llmopt.kernels.cpu_linear import uses_bf16
 
 CACHE_VERSION = 3  # 2: the C++ CPU kernels changed fp32 rounding; 3: llama.cpp windowing, hidden-state KLD store
 
@@ -40,17 +41,20 @@ def cache_dir() -> Path:
     return cache_root() / "eval"
 
 
-def model_identity(source: ModelSource, dtype: str, device: str) -> dict[str, Any]:
-    """What a model's scores depend on, without reading its weights."""
+def model_identity(source: ModelSource, dtype: str, device: str, fp32_matmul_precision: str = "auto") -> dict[str, Any]:
+    """What a model's scores depend on, without reading its weights (`fp32_matmul_precision`: the engine flag,
+    stored as what it resolves to on this CPU)."""
     path = Path(source.path).resolve()
     entries = [path] if path.is_file() else sorted(p for p in path.iterdir() if p.is_file() and not p.name.startswith("."))
     files = []
     for p in entries:
         st = p.stat()
         files.append([p.name, st.st_size, st.st_mtime_ns])
-    kernels = kernels_identity() if str(device).startswith("cpu") else None
+    on_cpu = str(device).startswith("cpu")
+    kernels = kernels_identity() if on_cpu else None
+    matmul = "bf16" if on_cpu and uses_bf16(fp32_matmul_precision) else "ieee"
     return {"path": str(path), "config": source.raw_config, "files": files, "dtype": dtype, "device": device,
-            "cpu_kernels": kernels}
+            "cpu_kernels": kernels, "fp32_matmul": matmul}
 
 
 def make_key(*parts: Any) -> str:

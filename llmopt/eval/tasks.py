@@ -80,6 +80,11 @@ class RunOptions:
     sandbox: str = "bwrap"  # HumanEval's sandbox mode (eval/sandbox/runner.py: SANDBOX, or UNSAFE when asked)
     add_bos: bool | None = None  # BOS before every MMLU context; None: where the tokenizer adds one (`text.context_bos_id`)
 
+    @property
+    def fp32_matmul_precision(self) -> str:
+        """What fp32 prompt-sized products compute in (the engine flag; `LlamaForCausalLM.use_fp32_matmul_precision`)."""
+        return self.engine.get("fp32_matmul_precision", "auto")
+
 
 class _LazyModel:
     """Loads the model on first use, so a baseline served from the cache is never loaded."""
@@ -94,6 +99,7 @@ class _LazyModel:
             start = time.perf_counter()
             self.loaded = load(self.source, dtype=self.options.dtype, device=self.options.device,
                                load_format=self.options.load_format)
+            self.loaded.model.use_fp32_matmul_precision(self.options.fp32_matmul_precision)
             self.run.seconds["load"] = round(time.perf_counter() - start, 2)
             log.info("%s %s loaded in %.1f s", self.run.role, self.source.spec, self.run.seconds["load"])
         return self.loaded
@@ -109,7 +115,7 @@ def run_model(role: str, source: ModelSource, tasks: list[str], data: EvalData, 
               options: RunOptions, base: ModelRun | None = None) -> ModelRun:
     run = ModelRun(role=role, spec=source.spec, source=source)
     model = _LazyModel(source, options, run)
-    identity = cache.model_identity(source, options.dtype, options.device)
+    identity = cache.model_identity(source, options.dtype, options.device, options.fp32_matmul_precision)
     cached = role == BASELINE and options.use_cache
     try:
         if "ppl" in tasks or "kld" in tasks:

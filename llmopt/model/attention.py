@@ -15,7 +15,7 @@ from abc import ABC, abstractmethod
 import torch
 import torch.nn.functional as F
 
-from llmopt.kernels.paged_attention import attend, prefill_mask
+from llmopt.kernels.paged_attention import attend, causal_mask
 
 
 class AttentionBackend(ABC):
@@ -76,8 +76,8 @@ class ContiguousKVCache(AttentionBackend):
             self.v_cache[layer_idx, slot, ctx : ctx + qlen] = v[start:end]
             keys = self.k_cache[layer_idx, slot, : ctx + qlen]
             values = self.v_cache[layer_idx, slot, : ctx + qlen]
-            mask = prefill_mask(qlen, ctx, sliding_window, q.device)
-            out[start:end] = attend(q[start:end], keys, values, mask)
+            mask, is_causal = causal_mask(qlen, ctx, sliding_window, q.device)
+            out[start:end] = attend(q[start:end], keys, values, mask, is_causal)
             start = end
         return out
 
@@ -94,7 +94,7 @@ class EqualLengthAttention(AttentionBackend):
     def forward(self, layer_idx, q, k, v, sliding_window):
         b, t = self.num_seqs, self.seq_len
         shape = lambda a: a.reshape(b, t, a.shape[1], a.shape[2]).transpose(1, 2)  # noqa: E731
-        mask = prefill_mask(t, 0, sliding_window, q.device)
-        out = F.scaled_dot_product_attention(shape(q), shape(k), shape(v), attn_mask=mask,
+        mask, is_causal = causal_mask(t, 0, sliding_window, q.device)
+        out = F.scaled_dot_product_attention(shape(q), shape(k), shape(v), attn_mask=mask, is_causal=is_causal,
                                              enable_gqa=q.shape[1] != k.shape[1])
         return out.transpose(1, 2).reshape(b * t, q.shape[1], q.shape[2])

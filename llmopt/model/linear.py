@@ -50,6 +50,10 @@ class DenseLinear(LinearBase):
     not depend on the other rows. The packed copy sits beside the plain weight (checkpoints and
     tied embeddings use that one).
 
+    `use_prefill_kernel(kernel)` sends the fp32 products of more than `SKINNY_MAX_ROWS` rows
+    (prompt chunks, perplexity windows) through `kernel` instead: the backend's bf16 math under the
+    engine's `fp32_matmul_precision` (`KernelBackend.fp32_prefill_linear`).
+
     `use_compact_copy("bf16" | "int8")` makes every fp32 CPU call, whatever the row count,
     multiply by a smaller copy of the weight: bf16 through the skinny kernel (half the bytes),
     or 8 bits per weight with a scale per 32 columns (llama.cpp's Q8_0) through the int8
@@ -68,10 +72,18 @@ class DenseLinear(LinearBase):
         self.bf16_weight: torch.Tensor | None = None
         self.int8_weight: PackedInt8 | None = None
         self.int8_kernel: Callable | None = None
+        self.prefill: Callable | None = None
 
     def prepare(self, backend: KernelBackend) -> None:
         """Once the weights are loaded: take the kernels the backend has for this weight."""
         self.skinny, self.onednn_weight = backend.dense_linear_kernels(self.weight)
+
+    def use_prefill_kernel(self, kernel: Callable | None) -> bool:
+        """Prompt-sized products through `kernel(x, w, bias)` from now on (None: the plain path), where the
+        weight is fp32 on CPU; returns whether they are."""
+        w = self.weight
+        self.prefill = kernel if w.device.type == "cpu" and w.dtype == torch.float32 else None
+        return self.prefill is not None
 
     def use_compact_copy(self, kind: str) -> bool:
         """Multiply fp32 CPU inputs by a "bf16" or "int8" copy of the weight from now on; False
@@ -111,6 +123,9 @@ class DenseLinear(LinearBase):
             return out.view(*x.shape[:-1], self.out_features)
         if self.skinny is not None and rows <= SKINNY_MAX_ROWS:
             out = self.skinny(x.reshape(rows, self.in_features).contiguous(), self.weight, self.bias)
+            return out.view(*x.shape[:-1], self.out_features)
+        if self.prefill is not None:
+            out = self.prefill(x.reshape(rows, self.in_features), self.weight, self.bias)
             return out.view(*x.shape[:-1], self.out_features)
         if self.onednn_weight is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.onednn_weight, self.bias, "none", [], "")

@@ -14,7 +14,7 @@ from torch import nn
 from llmopt.core.config import ModelConfig
 from llmopt.model.attention import AttentionBackend
 from llmopt.model.backends import KernelBackend, ReferenceBackend
-from llmopt.model.linear import make_linear
+from llmopt.model.linear import DenseLinear, make_linear
 from llmopt.model.ops import REFERENCE_OPS, DecoderOps
 from llmopt.model.rope import RotaryEmbedding
 
@@ -150,6 +150,13 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, (RMSNorm, Attention, MLP)):
                 module.ops = ops
+
+    def use_fp32_matmul_precision(self, precision: str) -> bool:
+        """What the prompt-sized products of its fp32 dense layers compute in, the engine's flag ("auto",
+        "ieee", "bf16"): the backend's kernel for it (`KernelBackend.fp32_prefill_linear`); True where some
+        layer takes it."""
+        kernel = self.backend.fp32_prefill_linear(precision)
+        return any([m.use_prefill_kernel(kernel) for m in self.modules() if isinstance(m, DenseLinear)])
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:

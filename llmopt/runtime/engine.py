@@ -130,6 +130,7 @@ class LLMEngine(EngineFrontend):
         if config.max_model_len is not None and config.max_model_len > model_len:
             raise LlmoptError(f"max_model_len {config.max_model_len} exceeds the model's context of {model_len}")
         self.max_model_len = config.max_model_len or model_len
+        loaded.model.use_fp32_matmul_precision(config.fp32_matmul_precision)
         # a 16-bit pool for an fp32 model holds twice the blocks in the same budget
         self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, loaded.dtype)
         block_bytes = kv_bytes_per_block(loaded.model, config.block_size, self.kv_cache_dtype)
@@ -185,6 +186,7 @@ class LLMEngine(EngineFrontend):
         draft = load(spec.model, dtype=str(self.loaded.dtype).removeprefix("torch."),
                      device=str(self.loaded.device))
         check_draft_compatible(self.tokenizer, draft.tokenizer, spec.allow_mismatch)
+        draft.model.use_fp32_matmul_precision(self.config.fp32_matmul_precision)
         if draft.config.max_position_embeddings < self.max_model_len:
             raise LlmoptError(f"the draft model's context ({draft.config.max_position_embeddings} tokens) is "
                               f"shorter than max_model_len {self.max_model_len}; lower --max-model-len")

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from llmopt.errors import LlmoptError
-from llmopt.kernels.paged_attention import attend, prefill_mask
+from llmopt.kernels.paged_attention import attend, causal_mask
 from llmopt.model.attention import AttentionBackend
 
 DEFAULT_BATCH_TOKENS = 2048  # flat tokens per forward: big enough for efficient GEMMs, small activations
@@ -42,7 +42,8 @@ class PackedAttention(AttentionBackend):
         start = 0
         for n in self.seq_lens:
             end = start + n
-            out[start:end] = attend(q[start:end], k[start:end], v[start:end], prefill_mask(n, 0, sliding_window, q.device))
+            mask, is_causal = causal_mask(n, 0, sliding_window, q.device)
+            out[start:end] = attend(q[start:end], k[start:end], v[start:end], mask, is_causal)
             start = end
         return out
 

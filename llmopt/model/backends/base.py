@@ -31,6 +31,11 @@ class KernelBackend:
         (None, None): `F.linear`."""
         return None, None
 
+    def fp32_prefill_linear(self, precision: str) -> Callable | None:
+        """The kernel `(x, w, bias) -> y` fp32 `DenseLinear`s run prompt-sized products on under the engine's
+        `fp32_matmul_precision`, or None: their plain path (`F.linear`)."""
+        return None
+
     def int4_linear(self, weight: QuantizedWeight, bias: torch.Tensor | None, dtype: torch.dtype) -> LinearBase | None:
         """The int4 layer for an AWQ / GPTQ projection of a model of `dtype`, or None where this
         backend has none for its layout (the loader keeps the dense dequantized weight)."""

@@ -1,7 +1,8 @@
 """The "cpu" backend: llmopt's C++ kernels (`llmopt.kernels.cpu_*`) where they build and apply,
 the PyTorch reference for the rest.
 
-fp32 models get the fused RMSNorm / rope / silu*up (with AVX2/FMA), the few-row matmul, the
+fp32 models get the fused RMSNorm / rope / silu*up (with AVX2/FMA), the few-row matmul, bf16
+math for prompt-sized matmuls where the CPU multiplies bf16 natively (`--fp32-matmul-precision`), the
 int4 matmul, the paged decode kernel (and through it the runner's one-call decode plan);
 bf16 / fp16 models get PyTorch's CPU int4 kernel for their int4 projections.
 """
@@ -13,7 +14,7 @@ import torch
 from llmopt.core.fp8_weight import Fp8Weight
 from llmopt.core.quantized_weight import QuantizedWeight
 from llmopt.kernels.cpu_fused import fused_ops
-from llmopt.kernels.cpu_linear import skinny_linear_kernel
+from llmopt.kernels.cpu_linear import bf16_linear, skinny_linear_kernel, uses_bf16
 from llmopt.kernels.cpu_paged_attention import KV_DTYPES as KERNEL_KV_DTYPES, decode_kernel
 from llmopt.model.backends.base import KernelBackend
 from llmopt.model.fp8_linear import cpu_fp8_linear
@@ -44,6 +45,11 @@ class CpuBackend(KernelBackend):
         skinny = skinny_linear_kernel() if weight.is_contiguous() else None
         wide = weight.shape[0] > WIDE_OUTPUT and torch.backends.mkldnn.is_available()
         return skinny, weight.detach().to_mkldnn() if wide else None
+
+    def fp32_prefill_linear(self, precision: str):
+        """bf16 math (oneDNN: AMX-BF16 / AVX512-BF16) where `precision` asks for it on this CPU
+        (`llmopt.kernels.cpu_linear.uses_bf16`): several times fp32's rate at prompt sizes."""
+        return bf16_linear if uses_bf16(precision) else None
 
     def int4_linear(self, weight: QuantizedWeight, bias: torch.Tensor | None, dtype: torch.dtype) -> LinearBase | None:
         return cpu_int4_linear(weight, bias) if dtype == torch.float32 else int4_linear(weight, bias, dtype)
