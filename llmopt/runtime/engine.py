@@ -27,8 +27,7 @@ from llmopt.runtime.model_runner import ModelRunner, kv_bytes_per_block
 from llmopt.runtime.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from llmopt.runtime.proposers import DraftModelProposer, NgramProposer
 from llmopt.runtime.sampler import SampleRequest, SampleResult, make_generator, sample_batch, verify_row
-from llmopt.runtime.prompt_scores import block_scores_bytes
-from llmopt.runtime.sampling_params import MAX_LOGPROBS, SamplingParams
+from llmopt.runtime.sampling_params import SamplingParams
 from llmopt.runtime.scheduler import Scheduler, check_stop
 from llmopt.runtime.sequence import Sequence
 from llmopt.runtime.speculative import SpecDecodingStats, check_draft_compatible
@@ -139,11 +138,7 @@ class LLMEngine(EngineFrontend):
         if draft is not None:  # the draft's pool has the target's block ids: one block costs both
             draft_kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, draft.dtype)
             block_bytes += kv_bytes_per_block(draft.model, config.block_size, draft_kv_dtype)
-        # with prefix caching a block may also keep its prompt scores, in host memory: on the CPU they
-        # share the KV budget (reserved at the largest k), on a GPU they are outside it
-        score_bytes = (block_scores_bytes(config.block_size, loaded.config.hidden_size, loaded.dtype, MAX_LOGPROBS)
-                       if config.enable_prefix_caching and loaded.device.type == "cpu" else 0)
-        num_blocks = config.num_kv_blocks or self._num_blocks_for_memory(block_bytes + score_bytes)
+        num_blocks = config.num_kv_blocks or self._num_blocks_for_memory(block_bytes)
         if num_blocks < 1:
             raise LlmoptError("the KV cache budget is smaller than one block; raise --kv-cache-memory")
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)

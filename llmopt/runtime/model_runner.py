@@ -206,8 +206,9 @@ class ModelRunner:
         """
         ctx, bs = seq.num_computed_tokens, self.block_size
         end = min(ctx + n, seq.num_prompt_tokens)  # the prompt positions computed now: ctx..end-1
-        block_hiddens = {p // bs: hidden[start + p - ctx].to("cpu", copy=True)
-                         for p in range(ctx + bs - 1 - ctx % bs, end, bs)}
+        ends = list(range(ctx + bs - 1 - ctx % bs, end, bs))  # last positions of blocks, for the prefix cache
+        end_rows = hidden[[start + p - ctx for p in ends]].to("cpu") if ends else None  # one copy off a GPU
+        block_hiddens = {p // bs: end_rows[i] for i, p in enumerate(ends)}
         first = len(seq.prompt_logprobs)
         last = min(ctx + n, seq.num_prompt_tokens - 1)  # the position after the prompt is sampled, not scored
         if first > last:
