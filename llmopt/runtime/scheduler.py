@@ -7,11 +7,14 @@ many tokens behind, computed in chunks when the budget is short. Running request
 first (FCFS); when the KV pool is exhausted the newest running request is preempted:
 its blocks are freed and it is recomputed later from its prompt plus the tokens it
 already produced (identical results, since decoding is deterministic given the tokens).
+A waiting request that asks for prompt logprobs stays waiting (later ones may go first) while
+a running request computes and scores its next uncached block: the step after, that block is a
+prefix hit whose stored scores answer it, instead of the same context computed twice.
 
 With speculative decoding, a decoding request may also get lookahead slots: room for K draft
 tokens after its last one, which the proposer fills before the step runs. `update_from_output`
-is the one place that changes a request after a step: it advances `num_computed_tokens`,
-appends the sampled (or verified) tokens, rolls back rejected draft positions, registers full
+is the one place that changes a request after a step: it records prompt scores, advances
+`num_computed_tokens`, appends the sampled (or verified) tokens, rolls back rejected draft positions, registers full
 blocks in the prefix cache, checks stop conditions and frees finished requests' blocks.
 """
 
