@@ -98,3 +98,30 @@ def _mmlu(loaded, http):
     served = score_mmlu(questions, [served_ll[i : i + 4] for i in range(0, len(served_ll), 4)])
     reference = score_mmlu(questions, [eval_ll[i : i + 4] for i in range(0, len(eval_ll), 4)])
     return served_ll, eval_ll, served, reference
+
+
+def metric(http: TestClient, name: str) -> float:
+    line = next(line for line in http.get("/metrics").text.splitlines() if line.startswith(f"llmopt:{name}"))
+    return float(line.rsplit(" ", 1)[1])
+
+
+def test_choices_of_one_question_share_the_context_and_its_scores(loaded):
+    """A question's four choices in one request (lm-eval's batches): the first computes and scores
+    the context, the others take its blocks as prefix hits and answer from the scores kept with them."""
+    prompts = [sum(encode(loaded, CONTEXT, f" {letter}"), []) for letter in "ABCD"]
+    assert min(len(p) for p in prompts) > 4 * 16
+    body = {"prompt": prompts, "echo": True, "logprobs": 1, "max_tokens": 1, "temperature": 0}
+    with client_for(loaded, chunk=1024) as warm, client_for(loaded, prefix_caching=False, chunk=1024) as cold:
+        got = sorted(warm.post("/v1/completions", json=body).json()["choices"], key=lambda c: c["index"])
+        want = sorted(cold.post("/v1/completions", json=body).json()["choices"], key=lambda c: c["index"])
+        hits = [(len(p) - 1) // 16 * 16 for p in prompts]  # all full blocks before the last token
+        assert metric(warm, "prefix_cache_hits_total") == sum(hits[1:])
+    first = got[0]["logprobs"]
+    for i, (mine, theirs) in enumerate(zip(got, want)):
+        lp, ref = mine["logprobs"], theirs["logprobs"]
+        assert lp["tokens"] == ref["tokens"] and len(lp["token_logprobs"]) == len(prompts[i]) + 1
+        # positions served from the cache: bitwise what the first choice (computed cold) answered
+        assert lp["token_logprobs"][: hits[i]] == first["token_logprobs"][: hits[i]]
+        assert lp["top_logprobs"][: hits[i]] == first["top_logprobs"][: hits[i]]
+        # against a server without prefix caching (other batch shapes): equal to rounding
+        assert lp["token_logprobs"][1:] == pytest.approx(ref["token_logprobs"][1:], abs=1e-4)

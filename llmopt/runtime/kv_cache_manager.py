@@ -7,6 +7,13 @@ by a chained hash of (parent hash, its token ids) — sha256, so a hit never dep
 luck — and blocks are reference-counted so sequences with a common prefix share them.
 Freed blocks keep their hash and stay reusable, in LRU order, until they are needed for
 new tokens (vLLM's design).
+
+A block computed for a request that asked for prompt logprobs also keeps its positions' scores
+(`prompt_scores.BlockScores`: the token's logprob and the top k, and the hidden state at its last
+position), so a later scoring request can take it as a hit and still answer every position. A
+scoring request hits only blocks that hold scores with at least its k; one asking for more
+computes them, and the larger k replaces the stored one. The scores go with the block's hash
+when it is evicted.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from llmopt.runtime.prompt_scores import BlockScores, ScoreBuffer
 from llmopt.runtime.sequence import Sequence
 
 
@@ -23,6 +31,11 @@ class Block:
     block_id: int
     ref_cnt: int = 0
     block_hash: bytes | None = None
+    # the prompt scores of its positions, when a scoring request computed them (prefix caching only)
+    scores: BlockScores | None = None
+
+    def has_scores(self, top_n: int) -> bool:
+        return self.scores is not None and self.scores.k >= top_n
 
 
 def hash_block(parent: bytes | None, token_ids: list[int]) -> bytes:
@@ -71,22 +84,39 @@ class KVCacheManager:
             seq.block_hashes.append(hash_block(parent, seq.token_ids[i * bs : (i + 1) * bs]))
 
     def get_computed_blocks(self, seq: Sequence) -> list[int]:
-        """Leading blocks of `seq` whose K/V are already cached (a new or preempted request)."""
-        # positions served from the cache are never computed, so they could not be scored: a request
-        # that still needs prompt logprobs computes its whole prompt (vLLM does the same); the blocks
-        # it fills are registered as usual and serve later requests
-        if not self.enable_prefix_caching or seq.needs_prompt_scores:
+        """Leading blocks of `seq` whose K/V are already cached (a new or preempted request); for a
+        request that still needs prompt logprobs, only blocks that also hold its positions' scores."""
+        if not self.enable_prefix_caching:
             return []
         self._hash_full_blocks(seq)
-        # the last token is always recomputed: its logits are needed to sample
-        max_blocks = (seq.num_tokens - 1) // self.block_size
+        top_n = seq.params.prompt_logprobs if seq.needs_prompt_scores else None
         hits: list[int] = []
-        for block_hash in seq.block_hashes[:max_blocks]:
+        for block_hash in seq.block_hashes[: self.max_hit_blocks(seq)]:
             block_id = self.cached_blocks.get(block_hash)
-            if block_id is None:
+            if block_id is None or (top_n is not None and not self.blocks[block_id].has_scores(top_n)):
                 break
             hits.append(block_id)
         return hits
+
+    def max_hit_blocks(self, seq: Sequence) -> int:
+        # the last token is always recomputed: its logits are needed to sample
+        return (seq.num_tokens - 1) // self.block_size
+
+    def load_prompt_scores(self, seq: Sequence, computed_blocks: list[int]) -> None:
+        """A request that needs prompt logprobs, admitted with `computed_blocks` hits: their stored
+        scores answer its cached positions, and it starts keeping the scores it computes."""
+        if not self.enable_prefix_caching or not seq.needs_prompt_scores:
+            return
+        bs, top_n = self.block_size, seq.params.prompt_logprobs
+        for i, block_id in enumerate(computed_blocks):
+            stored = self.blocks[block_id].scores
+            first = max(1, i * bs)  # the position of stored.scores' first row
+            lo = max(first, len(seq.prompt_logprobs))  # positions a preempted request scored already stay
+            if lo < (i + 1) * bs:
+                rows = stored.scores.slice(lo - first, (i + 1) * bs - first)
+                seq.prompt_logprobs.extend(rows.to_dicts(seq.token_ids[lo : (i + 1) * bs], top_n))
+        prev = self.blocks[computed_blocks[-1]].scores.last_hidden if computed_blocks else None
+        seq.score_buffer = ScoreBuffer(start=len(seq.prompt_logprobs), prev_hidden=prev)
 
     def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
         """Count a lookup whose request was admitted (a refused one is looked up again later)."""
@@ -128,6 +158,7 @@ class KVCacheManager:
             if self.cached_blocks.get(block.block_hash) == block_id:
                 del self.cached_blocks[block.block_hash]
             block.block_hash = None
+        block.scores = None
         block.ref_cnt = 1
         return block_id
 
@@ -139,6 +170,7 @@ class KVCacheManager:
         if num_full <= seq.num_cached_blocks:
             return
         self._hash_full_blocks(seq)
+        buffer = seq.score_buffer
         for i in range(seq.num_cached_blocks, num_full):
             block = self.blocks[seq.block_table[i]]
             block_hash = seq.block_hashes[i]
@@ -146,7 +178,14 @@ class KVCacheManager:
             if block.block_hash is None and block_hash not in self.cached_blocks:
                 block.block_hash = block_hash
                 self.cached_blocks[block_hash] = block.block_id
+            if buffer is not None:
+                # the registered copy (this block or the first) takes the scores, unless it holds as many
+                cached = self.blocks[self.cached_blocks[block_hash]]
+                if cached.scores is None or cached.scores.k < seq.params.prompt_logprobs:
+                    cached.scores = buffer.block(i, self.block_size) or cached.scores
         seq.num_cached_blocks = num_full
+        if buffer is not None:
+            buffer.drop_before_block(num_full, self.block_size)
 
     def trim(self, seq: Sequence, num_tokens: int) -> None:
         """Free the blocks of `seq` past those that hold its first `num_tokens` tokens (slots reserved
@@ -172,9 +211,11 @@ class KVCacheManager:
                 self.free_queue[block_id] = None
         seq.block_table = []
         seq.num_cached_blocks = 0
+        seq.score_buffer = None
 
     def reset_prefix_cache(self) -> None:
         for block in self.blocks:
             if block.ref_cnt == 0:
                 block.block_hash = None
+                block.scores = None
         self.cached_blocks = {h: b for h, b in self.cached_blocks.items() if self.blocks[b].ref_cnt > 0}

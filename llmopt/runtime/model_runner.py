@@ -21,6 +21,7 @@ import torch
 from llmopt.model.llama import LlamaForCausalLM
 from llmopt.model.paged_attention import StepMetadata
 from llmopt.runtime.cpu_decode_plan import build_decode_plan, run_decode_plan
+from llmopt.runtime.prompt_scores import PromptScores, ScoredChunk, score_rows
 from llmopt.runtime.sequence import Sequence
 
 
@@ -34,8 +35,8 @@ class RunnerOutput:
     # logits rows per sampler: 1, or 1 + its draft tokens for a speculating request (one row per
     # position it verifies)
     num_rows: list[int] = field(default_factory=list)
-    # (sequence, {token: logprob} per newly scored prompt position, in order) for prompt_logprobs requests
-    prompt_logprobs: list[tuple[Sequence, list[dict[int, float]]]] = field(default_factory=list)
+    # (sequence, what this step scored of its prompt) for prompt_logprobs requests computing prompt positions
+    prompt_logprobs: list[tuple[Sequence, ScoredChunk]] = field(default_factory=list)
     prompts_done: list[Sequence] = field(default_factory=list)  # max_tokens=0 requests whose prompt is scored
 
 
@@ -177,12 +178,12 @@ class ModelRunner:
         if hidden is None:
             hidden = self.model(input_ids, positions_t, self.attn)
         self.attn.metadata = None
-        prompt_scores: list[tuple[Sequence, list[dict[int, float]]]] = []
+        prompt_scores: list[tuple[Sequence, ScoredChunk]] = []
         prompts_done: list[Sequence] = []
         if score_prompts:
             starts = list(range(len(decodes))) + [meta[0] for meta in prefill_meta]
             for (seq, n), start in zip(decodes + prefills, starts):
-                if seq.needs_prompt_scores:
+                if seq.prompt_logprobs is not None and seq.num_computed_tokens < seq.num_prompt_tokens:
                     prompt_scores.append((seq, self._score_prompt(hidden, seq, start, n)))
             prompts_done = [seq for seq in samplers if seq.params.max_tokens == 0]
             keep = [i for i, seq in enumerate(samplers) if seq.params.max_tokens > 0]
@@ -194,31 +195,32 @@ class ModelRunner:
             logits = torch.empty(0, self.model.config.vocab_size)
         return RunnerOutput(logits, samplers, [len(rows) for rows in sample_rows], prompt_scores, prompts_done)
 
-    def _score_prompt(self, hidden: torch.Tensor, seq: Sequence, start: int, n: int) -> list[dict[int, float]]:
-        """{token: logprob} (the prompt token, then the top `prompt_logprobs`) for each prompt position
-        this step's rows start..start+n-1 predict and `seq` has not scored yet.
+    def _score_prompt(self, hidden: torch.Tensor, seq: Sequence, start: int, n: int) -> ScoredChunk:
+        """The prompt positions this step's rows start..start+n-1 predict and `seq` has not scored yet,
+        and the final hidden state at each block end inside the prompt that these rows hold.
 
-        Row start+i holds position ctx+i and predicts position ctx+i+1; the vocabulary projection
-        runs in slices of SCORE_ROWS rows so a long chunk never holds [chunk, vocab] logits at once.
+        Row start+i holds position ctx+i and predicts position ctx+i+1. After a prefix hit the first
+        position to score (ctx) is predicted by a cached position: its row is the hit block's stored
+        hidden state. The vocabulary projection runs in slices of SCORE_ROWS rows so a long chunk
+        never holds [chunk, vocab] logits at once.
         """
-        ctx = seq.num_computed_tokens
-        first = max(ctx + 1, len(seq.prompt_logprobs))
+        ctx, bs = seq.num_computed_tokens, self.block_size
+        end = min(ctx + n, seq.num_prompt_tokens)  # the prompt positions computed now: ctx..end-1
+        ends = list(range(ctx + bs - 1 - ctx % bs, end, bs))  # last positions of blocks, for the prefix cache
+        end_rows = hidden[[start + p - ctx for p in ends]].to("cpu") if ends else None  # one copy off a GPU
+        block_hiddens = {p // bs: end_rows[i] for i, p in enumerate(ends)}
+        first = len(seq.prompt_logprobs)
         last = min(ctx + n, seq.num_prompt_tokens - 1)  # the position after the prompt is sampled, not scored
         if first > last:
-            return []
-        rows = hidden[start + first - 1 - ctx : start + last - ctx]
+            return ScoredChunk(first, None, block_hiddens)
+        assert first >= ctx, f"position {first} of {seq.request_id} was skipped"
+        rows = hidden[start + max(first - 1 - ctx, 0) : start + last - ctx]
+        if first == ctx:  # ctx > 0 here: position 0 is never scored
+            prev = seq.score_buffer.prev_hidden if seq.score_buffer is not None else None
+            assert prev is not None, f"{seq.request_id}: a prefix hit without the hidden state that scores past it"
+            rows = torch.cat([prev.to(device=rows.device, dtype=rows.dtype)[None], rows])
         targets = torch.tensor(seq.token_ids[first : last + 1], device=self.device)
         top_n = seq.params.prompt_logprobs
-        scores: list[dict[int, float]] = []
-        for i in range(0, rows.shape[0], SCORE_ROWS):
-            logprobs = torch.log_softmax(self.model.compute_logits(rows[i : i + SCORE_ROWS]).float(), dim=-1)
-            chunk_targets = targets[i : i + SCORE_ROWS]
-            picked = logprobs.gather(1, chunk_targets[:, None]).squeeze(1).tolist()
-            top = torch.topk(logprobs, top_n) if top_n else None
-            for j, (target, value) in enumerate(zip(chunk_targets.tolist(), picked)):
-                entry = {target: value}
-                if top is not None:
-                    for tid, v in zip(top.indices[j].tolist(), top.values[j].tolist()):
-                        entry.setdefault(tid, v)
-                scores.append(entry)
-        return scores
+        parts = [score_rows(self.model.compute_logits(rows[i : i + SCORE_ROWS]), targets[i : i + SCORE_ROWS], top_n)
+                 for i in range(0, rows.shape[0], SCORE_ROWS)]
+        return ScoredChunk(first, PromptScores.cat(parts), block_hiddens)

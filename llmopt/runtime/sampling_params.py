@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from llmopt.errors import LlmoptError
 from llmopt.runtime.structured_outputs import StructuredOutputsParams
 
+MAX_LOGPROBS = 20  # the most alternatives logprobs / prompt_logprobs may ask for (OpenAI's limit)
+
 
 @dataclass
 class SamplingParams:
@@ -61,11 +63,11 @@ class SamplingParams:
             raise LlmoptError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise LlmoptError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise LlmoptError(f"logprobs must be between 0 and 20, got {self.logprobs}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise LlmoptError(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}")
         if self.prompt_logprobs is not None and (isinstance(self.prompt_logprobs, bool)
-                                                 or not 0 <= self.prompt_logprobs <= 20):
-            raise LlmoptError(f"prompt_logprobs must be between 0 and 20, got {self.prompt_logprobs}")
+                                                 or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            raise LlmoptError(f"prompt_logprobs must be between 0 and {MAX_LOGPROBS}, got {self.prompt_logprobs}")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise LlmoptError("structured_outputs must be a StructuredOutputsParams")
         if isinstance(self.stop, str):

@@ -7,11 +7,14 @@ many tokens behind, computed in chunks when the budget is short. Running request
 first (FCFS); when the KV pool is exhausted the newest running request is preempted:
 its blocks are freed and it is recomputed later from its prompt plus the tokens it
 already produced (identical results, since decoding is deterministic given the tokens).
+A waiting request that asks for prompt logprobs stays waiting (later ones may go first) while
+a running request computes and scores its next uncached block: the step after, that block is a
+prefix hit whose stored scores answer it, instead of the same context computed twice.
 
 With speculative decoding, a decoding request may also get lookahead slots: room for K draft
 tokens after its last one, which the proposer fills before the step runs. `update_from_output`
-is the one place that changes a request after a step: it advances `num_computed_tokens`,
-appends the sampled (or verified) tokens, rolls back rejected draft positions, registers full
+is the one place that changes a request after a step: it records prompt scores, advances
+`num_computed_tokens`, appends the sampled (or verified) tokens, rolls back rejected draft positions, registers full
 blocks in the prefix cache, checks stop conditions and frees finished requests' blocks.
 """
 
@@ -117,15 +120,25 @@ class Scheduler:
             break  # seq itself was preempted; everything after it is gone too
 
         # 2. waiting requests, in arrival order, while nothing had to be preempted
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
-            seq = self.waiting[0]
+        scoring: dict[bytes, int] | None = None  # built when a waiting request needs prompt scores
+        i = 0
+        while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
+            seq = self.waiting[i]
             computed = self.kv.get_computed_blocks(seq)
+            if seq.needs_prompt_scores and self.kv.enable_prefix_caching:
+                scoring = self._blocks_being_scored() if scoring is None else scoring
+                if self._wait_for_scores(seq, len(computed), scoring):
+                    i += 1
+                    continue
             num_computed = len(computed) * self.kv.block_size
             num_new = min(seq.num_tokens - num_computed, budget)
             if not self.kv.allocate_slots(seq, num_new, computed):
                 break
             self.kv.record_prefix_lookup(seq.num_tokens, num_computed)
-            self.waiting.popleft()
+            self.kv.load_prompt_scores(seq, computed)
+            del self.waiting[i]
+            if scoring is not None:
+                self._add_blocks_being_scored(seq, scoring)
             seq.status = SequenceStatus.RUNNING
             seq.num_computed_tokens = num_computed
             if seq.first_scheduled_time is None:
@@ -136,6 +149,37 @@ class Scheduler:
             out.scheduled.append((seq, num_new))
             budget -= num_new
         return out
+
+    def _blocks_being_scored(self) -> dict[bytes, int]:
+        """Block hash -> k, for the blocks running requests are computing that will be registered with
+        their prompt scores (top k)."""
+        scoring: dict[bytes, int] = {}
+        for seq in self.running:
+            self._add_blocks_being_scored(seq, scoring)
+        return scoring
+
+    def _add_blocks_being_scored(self, seq: Sequence, scoring: dict[bytes, int]) -> None:
+        buffer = seq.score_buffer
+        if buffer is None:
+            return
+        bs, k = self.kv.block_size, seq.params.prompt_logprobs
+        for i in range(seq.num_cached_blocks, min(len(seq.block_hashes), seq.num_prompt_tokens // bs)):
+            if max(1, i * bs) >= buffer.start:
+                h = seq.block_hashes[i]
+                scoring[h] = max(k, scoring.get(h, -1))
+
+    def _wait_for_scores(self, seq: Sequence, num_hits: int, scoring: dict[bytes, int]) -> bool:
+        """Whether a request that needs prompt scores should stay waiting: a running request is
+        computing and scoring its next uncached block, which will be a hit in a later step.
+
+        Evaluation harnesses send a question's choices at once (one prompt each, the same context);
+        admitted together, each would compute and score the whole context. Waiting costs the
+        later ones the steps the first spends on the shared blocks and saves computing them again.
+        Requests that need no prompt scores never wait (vLLM's behaviour).
+        """
+        if num_hits >= self.kv.max_hit_blocks(seq):
+            return False
+        return scoring.get(seq.block_hashes[num_hits], -1) >= seq.params.prompt_logprobs
 
     def _speculation_enabled(self) -> bool:
         if not self.num_speculative_tokens:
@@ -167,13 +211,18 @@ class Scheduler:
         prefix cache only ever hashes accepted tokens.
         """
         now = time.time()
+        # prompt scores first: registering a block keeps its scores with it
+        for seq, chunk in runner_out.prompt_logprobs:
+            if chunk.scores is not None:
+                ids = seq.token_ids[chunk.first : chunk.first + len(chunk.scores)]
+                seq.prompt_logprobs.extend(chunk.scores.to_dicts(ids, seq.params.prompt_logprobs))
+            if seq.score_buffer is not None:
+                seq.score_buffer.add(chunk)
         for seq, n in sched.scheduled:
             seq.num_computed_tokens += n
             if seq.request_id not in sched.spec_token_ids:
                 self.kv.cache_full_blocks(seq)
         updates: list[StepUpdate] = []
-        for seq, scores in runner_out.prompt_logprobs:
-            seq.prompt_logprobs.extend(scores)
         for seq in runner_out.prompts_done:  # max_tokens=0: the scored prompt is the whole answer
             seq.finish_reason = "length"
             seq.first_token_time = seq.finished_time = now

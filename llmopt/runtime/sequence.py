@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from llmopt.runtime.prompt_scores import ScoreBuffer
 from llmopt.runtime.sampling_params import SamplingParams
 
 
@@ -41,6 +42,9 @@ class Sequence:
     logprobs: list[dict[int, float]] = field(default_factory=list)
     # with params.prompt_logprobs: one entry per prompt position scored so far (the first is None)
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    # with prompt_logprobs and prefix caching, while running: the scores it computes, until the blocks
+    # they belong to are registered in the prefix cache (which keeps them with the blocks)
+    score_buffer: ScoreBuffer | None = None
     # with params.structured_outputs: the llguidance matcher, advanced by every appended token
     matcher: Any = None
     # a constrained request in its budget's last tokens: its closing path (llmopt.runtime.closing)
