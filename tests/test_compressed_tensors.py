@@ -21,7 +21,7 @@ from llmopt.core.fp8_weight import FP8_DTYPE, quantize_fp8
 from llmopt.core.weights import load_safetensors, save_safetensors
 from llmopt.loader import load
 from llmopt.quant.quantize import QuantizeRequest, hf_state_dict, quantize
-from tests.conftest import assert_usage_error
+from conftest import assert_usage_error
 
 def _logits(model, ids: list[int]) -> torch.Tensor:
     from llmopt.model.attention import EqualLengthAttention
