@@ -333,14 +333,14 @@ def test_transformers_loads_our_folders(tiny_models, tmp_path, kind):
 def test_plan_counts_the_fp8_writers_bytes(fp8_dynamic, tiny_models):
     from llmopt.core import resolve
     from llmopt.plan.formats import FORMATS, weight_bytes
-    from tests.test_plan import _safetensors_data_bytes
+    from test_plan import _safetensors_data_bytes
 
     assert _safetensors_data_bytes(fp8_dynamic / "model.safetensors") == \
         weight_bytes(resolve(str(tiny_models["llama"])).config, FORMATS["fp8"])
 
 
 def test_models_info_names_the_scheme(fp8_dynamic):
-    from tests.conftest import run_cli
+    from conftest import run_cli
 
     code, err, out = run_cli("models", "info", str(fp8_dynamic))
     assert code == 0, err
