@@ -116,6 +116,9 @@ def cpu_ops() -> ModuleType | None:
             sources = _sources_in(folder)
             ops = load(name="llmopt_cpu_ops", sources=[str(s) for s in sources], extra_cflags=CFLAGS,
                        extra_ldflags=["-fopenmp"], build_directory=str(folder), verbose=False)
+        requested = os.environ.get("LLMOPT_CPU_ISA")
+        if requested and requested not in ("scalar", "avx2", "avx512", "amx"):
+            log.warning("LLMOPT_CPU_ISA=%s is not one of scalar, avx2, avx512, amx: ignored", requested)
         log.info("llmopt's CPU kernels: %s path (this CPU and build allow %s; LLMOPT_CPU_ISA caps it)",
                  ops.cpu_isa(), ops.cpu_isa_supported())
         return ops
