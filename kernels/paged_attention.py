@@ -116,30 +116,47 @@ def causal_mask(query_len: int, context_len: int, sliding_window: int | None,
     return prefill_mask(query_len, context_len, sliding_window, device), False
 
 
+# Queries per chunk from which `math_dtype` applies: prompt-sized chunks, as for the dense layers'
+# bf16 prompt products (kernels/cpu_linear.py SKINNY_MAX_ROWS); decode steps stay in q's dtype.
+PROMPT_MATH_MIN_QUERIES = 96
+
+
+def sdpa_math(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, math_dtype: torch.dtype | None):
+    """q, keys, values in the dtype SDPA should compute in: `math_dtype` for a prompt-sized fp32 chunk
+    on CPU (bf16: PyTorch's CPU flash attention runs its products on AMX / AVX512-BF16, ~2.7x fp32 at
+    512 tokens on a Sapphire Rapids core), else unchanged."""
+    if (math_dtype is None or q.dtype != torch.float32 or q.device.type != "cpu"
+            or q.shape[-3] < PROMPT_MATH_MIN_QUERIES):
+        return q, keys, values
+    return q.to(math_dtype), keys.to(math_dtype), values.to(math_dtype)
+
+
 def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
-           is_causal: bool = False) -> torch.Tensor:
-    """q [Lq, H, D], keys/values [Lk, KVH, D] -> [Lq, H, D]; grouped-query heads shared. `mask` and
-    `is_causal` as `causal_mask` gives them."""
+           is_causal: bool = False, math_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """q [Lq, H, D], keys/values [Lk, KVH, D] -> [Lq, H, D] in q's dtype; grouped-query heads shared.
+    `mask` and `is_causal` as `causal_mask` gives them; `math_dtype` as `sdpa_math` applies it."""
+    mq, mk, mv = sdpa_math(q, keys, values, math_dtype)
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1).unsqueeze(0),
-        keys.transpose(0, 1).unsqueeze(0),
-        values.transpose(0, 1).unsqueeze(0),
+        mq.transpose(0, 1).unsqueeze(0),
+        mk.transpose(0, 1).unsqueeze(0),
+        mv.transpose(0, 1).unsqueeze(0),
         attn_mask=mask,
         is_causal=is_causal,
         enable_gqa=q.shape[1] != keys.shape[1],
     )
-    return out.squeeze(0).transpose(0, 1)
+    return out.squeeze(0).transpose(0, 1).to(q.dtype)
 
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                            slots: torch.Tensor, context_len: int, sliding_window: int | None) -> torch.Tensor:
+                            slots: torch.Tensor, context_len: int, sliding_window: int | None,
+                            math_dtype: torch.dtype | None = None) -> torch.Tensor:
     """A chunk of `query_len` tokens of one sequence after `context_len` cached ones.
 
     q [query_len, heads, head_dim]; slots [context_len + query_len] the slots of all its
     keys in order (the chunk's own K/V already written). Returns [query_len, heads, head_dim];
-    K/V read from a cache of another dtype are converted to q's.
+    K/V read from a cache of another dtype are converted to q's (`math_dtype`: see `attend`).
     """
     mask, is_causal = causal_mask(q.shape[0], context_len, sliding_window, q.device)
     keys = select_rows(k_cache, slots).to(q.dtype)
     values = select_rows(v_cache, slots).to(q.dtype)
-    return attend(q, keys, values, mask, is_causal)
+    return attend(q, keys, values, mask, is_causal, math_dtype)

@@ -11,7 +11,9 @@ from llmopt.errors import LlmoptError
 from llmopt.kernels.cpu_extension import cpu_ops
 from llmopt.kernels.cpu_linear import SKINNY_MAX_ROWS, _onednn_bf16, bf16_linear, skinny_linear_kernel, uses_bf16
 from llmopt.model.backends import CpuBackend, ReferenceBackend
+from llmopt.kernels.paged_attention import PROMPT_MATH_MIN_QUERIES, attend, causal_mask
 from llmopt.model.linear import DenseLinear
+from llmopt.model.llama import Attention
 from llmopt.runtime.config import EngineConfig
 
 kernel = skinny_linear_kernel()
@@ -202,7 +204,35 @@ def test_the_engine_flag_reaches_every_dense_layer(tiny_models):
     loaded = load(str(tiny_models["llama"]), dtype="float32")
     dense = [m for m in loaded.model.modules() if isinstance(m, DenseLinear)]
     assert dense and all(m.prefill is None for m in dense)  # a model loaded outside an engine: fp32
+    attention = [m for m in loaded.model.modules() if isinstance(m, Attention)]
     LLM(loaded, num_kv_blocks=16, fp32_matmul_precision="bf16")
     assert all(m.prefill is bf16_linear for m in dense)
+    assert attention and all(m.prompt_math_dtype == torch.bfloat16 for m in attention)
     LLM(loaded, num_kv_blocks=16, fp32_matmul_precision="ieee")
     assert all(m.prefill is None for m in dense)
+    assert all(m.prompt_math_dtype is None for m in attention)
+
+
+@pytest.mark.parametrize("queries", [PROMPT_MATH_MIN_QUERIES - 1, PROMPT_MATH_MIN_QUERIES, 200])
+@pytest.mark.parametrize("causal", [True, False])
+def test_prompt_attention_math_dtype_applies_to_prompt_sized_chunks_only(queries, causal):
+    """bf16 math: the fp32 result of SDPA over the bf16-rounded q/k/v (grouped heads), for chunks of
+    PROMPT_MATH_MIN_QUERIES queries or more; below that, bitwise the fp32 attention."""
+    g = torch.Generator().manual_seed(queries)
+    context = 37
+    q = torch.randn(queries, 6, 32, generator=g)
+    k = torch.randn(context + queries, 2, 32, generator=g)
+    v = torch.randn(context + queries, 2, 32, generator=g)
+    mask, is_causal = causal_mask(queries, 0 if causal else context, None, q.device)
+    if causal:
+        k, v = k[context:], v[context:]
+    fp32 = attend(q, k, v, mask, is_causal)
+    got = attend(q, k, v, mask, is_causal, math_dtype=torch.bfloat16)
+    assert got.dtype == torch.float32 and got.shape == q.shape
+    if queries < PROMPT_MATH_MIN_QUERIES:
+        assert torch.equal(got, fp32)
+        return
+    rounded = attend(q.bfloat16().double(), k.bfloat16().double(), v.bfloat16().double(), mask, is_causal)
+    # bf16 inputs exactly; what is left is the kernel's bf16 probabilities and fp32 sums
+    assert (got.double() - rounded).abs().max() < 2e-2
+    assert (got - fp32).abs().max() > 1e-4  # it did compute in bf16 (fp32 would agree to ~1e-6)

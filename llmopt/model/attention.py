@@ -15,7 +15,7 @@ from abc import ABC, abstractmethod
 import torch
 import torch.nn.functional as F
 
-from llmopt.kernels.paged_attention import attend, causal_mask
+from llmopt.kernels.paged_attention import PROMPT_MATH_MIN_QUERIES, attend, causal_mask, sdpa_math
 
 
 class AttentionBackend(ABC):
@@ -27,6 +27,7 @@ class AttentionBackend(ABC):
         k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim], RoPE applied
         v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         sliding_window: int | None,
+        math_dtype: torch.dtype | None = None,  # prompt-sized fp32 chunks' SDPA dtype (kernels.paged_attention.attend)
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         ...
 
@@ -66,7 +67,7 @@ class ContiguousKVCache(AttentionBackend):
         for slot, qlen in zip(self._slots, self._query_lens):
             self.cached_lens[slot] += qlen
 
-    def forward(self, layer_idx, q, k, v, sliding_window):
+    def forward(self, layer_idx, q, k, v, sliding_window, math_dtype=None):
         out = torch.empty_like(q)
         start = 0
         for slot, qlen in zip(self._slots, self._query_lens):
@@ -77,7 +78,7 @@ class ContiguousKVCache(AttentionBackend):
             keys = self.k_cache[layer_idx, slot, : ctx + qlen]
             values = self.v_cache[layer_idx, slot, : ctx + qlen]
             mask, is_causal = causal_mask(qlen, ctx, sliding_window, q.device)
-            out[start:end] = attend(q[start:end], keys, values, mask, is_causal)
+            out[start:end] = attend(q[start:end], keys, values, mask, is_causal, math_dtype)
             start = end
         return out
 
@@ -91,10 +92,11 @@ class EqualLengthAttention(AttentionBackend):
     def __init__(self, num_seqs: int, seq_len: int):
         self.num_seqs, self.seq_len = num_seqs, seq_len
 
-    def forward(self, layer_idx, q, k, v, sliding_window):
+    def forward(self, layer_idx, q, k, v, sliding_window, math_dtype=None):
         b, t = self.num_seqs, self.seq_len
         shape = lambda a: a.reshape(b, t, a.shape[1], a.shape[2]).transpose(1, 2)  # noqa: E731
         mask, is_causal = causal_mask(t, 0, sliding_window, q.device)
-        out = F.scaled_dot_product_attention(shape(q), shape(k), shape(v), attn_mask=mask, is_causal=is_causal,
+        mq, mk, mv = sdpa_math(q, k, v, math_dtype if t >= PROMPT_MATH_MIN_QUERIES else None)
+        out = F.scaled_dot_product_attention(shape(mq), shape(mk), shape(mv), attn_mask=mask, is_causal=is_causal,
                                              enable_gqa=q.shape[1] != k.shape[1])
-        return out.transpose(1, 2).reshape(b * t, q.shape[1], q.shape[2])
+        return out.transpose(1, 2).reshape(b * t, q.shape[1], q.shape[2]).to(q.dtype)

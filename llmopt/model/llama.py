@@ -63,6 +63,7 @@ class Attention(nn.Module):
         self.qkv_proj = make_linear(hidden, q_size + 2 * kv_size, config.attention_bias)
         self.o_proj = make_linear(q_size, hidden, config.o_proj_bias)
         self.ops: DecoderOps = REFERENCE_OPS
+        self.prompt_math_dtype: torch.dtype | None = None  # set by LlamaForCausalLM.use_fp32_matmul_precision
 
     def forward(self, x, cos, sin, attn: AttentionBackend) -> torch.Tensor:
         n = x.shape[0]
@@ -71,7 +72,7 @@ class Attention(nn.Module):
         k = k.view(n, self.num_kv_heads, self.head_dim)
         v = v.view(n, self.num_kv_heads, self.head_dim)
         q, k = self.ops.rotary(q, k, cos, sin)
-        out = attn.forward(self.layer_idx, q, k, v, self.sliding_window)
+        out = attn.forward(self.layer_idx, q, k, v, self.sliding_window, self.prompt_math_dtype)
         return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
 
 
@@ -152,10 +153,15 @@ class LlamaForCausalLM(nn.Module):
                 module.ops = ops
 
     def use_fp32_matmul_precision(self, precision: str) -> bool:
-        """What the prompt-sized products of its fp32 dense layers compute in, the engine's flag ("auto",
-        "ieee", "bf16"): the backend's kernel for it (`KernelBackend.fp32_prefill_linear`); True where some
-        layer takes it."""
+        """What the prompt-sized products of its fp32 layers compute in, the engine's flag ("auto",
+        "ieee", "bf16"): the dense layers' through the backend's kernel for it
+        (`KernelBackend.fp32_prefill_linear`), and, where that kernel is bf16 math, attention's
+        products over prompt-sized chunks in bf16 too (`kernels.paged_attention.attend`). True where
+        some layer takes it."""
         kernel = self.backend.fp32_prefill_linear(precision)
+        for m in self.modules():
+            if isinstance(m, Attention):
+                m.prompt_math_dtype = torch.bfloat16 if kernel is not None else None
         return any([m.use_prefill_kernel(kernel) for m in self.modules() if isinstance(m, DenseLinear)])
 
     @torch.inference_mode()

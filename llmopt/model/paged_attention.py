@@ -67,7 +67,7 @@ class PagedAttention(AttentionBackend):
                                    md.block_size, q.shape[-1] ** -0.5, -1 if sliding_window is None else sliding_window)
         return paged_decode_attention(q, k_cache, v_cache, md.decode_block_tables, md.decode_mask(sliding_window))
 
-    def forward(self, layer_idx, q, k, v, sliding_window):
+    def forward(self, layer_idx, q, k, v, sliding_window, math_dtype=None):
         md = self.metadata
         k_cache, v_cache = self.k_caches[layer_idx], self.v_caches[layer_idx]
         write_kv(k_cache, v_cache, md.slot_mapping, k, v)
@@ -78,7 +78,8 @@ class PagedAttention(AttentionBackend):
         if n:
             out[:n] = self._decode(q[:n], k_cache, v_cache, md, sliding_window)
         for start, end, slots, context_len in md.prefills:
-            out[start:end] = paged_prefill_attention(q[start:end], k_cache, v_cache, slots, context_len, sliding_window)
+            out[start:end] = paged_prefill_attention(q[start:end], k_cache, v_cache, slots, context_len, sliding_window,
+                                                     math_dtype)
         return out
 
 
@@ -95,7 +96,7 @@ class TritonPagedAttention(PagedAttention):
 
         self.triton = triton_paged_attention
 
-    def forward(self, layer_idx, q, k, v, sliding_window):
+    def forward(self, layer_idx, q, k, v, sliding_window, math_dtype=None):
         md = self.metadata
         k_cache, v_cache = self.k_caches[layer_idx], self.v_caches[layer_idx]
         t, n, scale = self.triton, md.num_decodes, q.shape[-1] ** -0.5

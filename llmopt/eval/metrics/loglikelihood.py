@@ -37,13 +37,13 @@ class PackedAttention(AttentionBackend):
     def __init__(self, seq_lens: Sequence[int]):
         self.seq_lens = list(seq_lens)
 
-    def forward(self, layer_idx, q, k, v, sliding_window):
+    def forward(self, layer_idx, q, k, v, sliding_window, math_dtype=None):
         out = torch.empty_like(q)
         start = 0
         for n in self.seq_lens:
             end = start + n
             mask, is_causal = causal_mask(n, 0, sliding_window, q.device)
-            out[start:end] = attend(q[start:end], k[start:end], v[start:end], mask, is_causal)
+            out[start:end] = attend(q[start:end], k[start:end], v[start:end], mask, is_causal, math_dtype)
             start = end
         return out
 
