@@ -49,6 +49,26 @@ def test_kernel_matches_pytorch_path(heads, kv_heads, sliding_window, head_dim, 
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (8, 1)])
+@pytest.mark.parametrize("sliding_window", [None, 200])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+def test_long_contexts_split_into_chunks_match(heads, kv_heads, sliding_window, kv_dtype):
+    """Contexts over the kernel's 128-position chunk: the chunks' partial softmaxes merged."""
+    lens = [700, 129, 128, 257, 3, 384]
+    block_size = 16
+    q, k_cache, v_cache, tables, context = _case(lens, heads, kv_heads, 64, block_size, seed=7, kv_dtype=kv_dtype)
+    q = q * 4  # peaked attention: the merge's rescaling by each chunk's max matters
+    mask = decode_mask(context, tables.shape[1] * block_size, sliding_window)
+    expected = paged_decode_attention(q, k_cache, v_cache, tables, mask)
+    got = kernel(q, k_cache, v_cache, tables, context, block_size, 64 ** -0.5,
+                 -1 if sliding_window is None else sliding_window)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    # a sequence's output does not depend on the batch around it
+    alone = kernel(q[:1], k_cache, v_cache, tables[:1], context[:1], block_size, 64 ** -0.5,
+                   -1 if sliding_window is None else sliding_window)
+    assert torch.equal(alone, got[:1])
+
+
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
 def test_kernel_reads_only_each_sequences_blocks(kv_dtype):
     """Poison every slot no sequence owns: a stray read would show up as NaN."""

@@ -1,7 +1,7 @@
 // Paged decode attention on CPU: one fp32 query token per sequence against its K/V, read
 // straight from the block pool through the block table (no gather), each key and value row
 // once for all the query heads that share it (grouped-query attention). Two-pass softmax per
-// (sequence, kv head). The pool may hold fp32, bf16 or fp16 K/V (`--kv-cache-dtype`): 16-bit
+// (sequence, kv head, chunk of 128 positions), chunks merged by their maxes. The pool may hold fp32, bf16 or fp16 K/V (`--kv-cache-dtype`): 16-bit
 // rows are widened to fp32 as they are loaded, so scores, softmax, accumulation and output stay
 // fp32 and a 16-bit pool halves the bytes read. With AVX2 + FMA and head_dim % 8 == 0: 8 keys
 // per group of FMA chains, vectorised exp, prefetch of the next scattered rows; otherwise plain
@@ -217,6 +217,21 @@ static constexpr bool kHaveAvx2 = false;
 
 #endif
 
+// A (sequence, kv head) item's attended positions are cut into chunks of kChunk positions, each chunk
+// one unit of work, so a single sequence's few kv heads still keep every thread busy (batch 1: 3 kv
+// heads on 2 threads left one idle a third of the time). A chunk keeps its own max, sum and
+// unnormalised output, and the chunks of an item are merged in order (flash-decoding's split-K).
+// The cut depends only on the context length, never on the batch or the thread count, so a
+// sequence's output does not depend on either; an item of one chunk is normalised in place, as
+// without chunks.
+static constexpr int64_t kChunk = 128;
+
+struct Unit {
+  int64_t b, kh;       // the item
+  int64_t start, n;    // its attended positions [start, start + n)
+  int64_t partial;     // index of its partial result, or -1: the item's only chunk, written to out
+};
+
 // One pool element type T: out [B, H, D] for q [B, H, D], pools [slots, KVH, D] of T
 template <typename T>
 static void decode(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
@@ -232,20 +247,40 @@ static void decode(const torch::Tensor& q, const torch::Tensor& k_cache, const t
   float* op = out.data_ptr<float>();
   const bool vectorised = kHaveAvx2 && D % 8 == 0;
 
-  at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, maxes(G), sums(G);
+  std::vector<Unit> units;
+  std::vector<int64_t> first_partial(B * KVH, -1), num_chunks(B * KVH, 1);
+  int64_t partials = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t len = lp[b];
+    const int64_t start = sliding_window > 0 ? std::max<int64_t>(0, len - sliding_window) : 0;
+    const int64_t n = len - start, chunks = std::max<int64_t>(1, (n + kChunk - 1) / kChunk);
+    for (int64_t kh = 0; kh < KVH; ++kh) {
+      if (chunks == 1) {
+        units.push_back({b, kh, start, n, -1});
+        continue;
+      }
+      first_partial[b * KVH + kh] = partials;
+      num_chunks[b * KVH + kh] = chunks;
+      for (int64_t c = 0; c < chunks; ++c)
+        units.push_back({b, kh, start + c * kChunk, std::min(kChunk, n - c * kChunk), partials++});
+    }
+  }
+  // per partial: G maxes, G sums, G * D unnormalised outputs
+  std::vector<float> part_max(partials * G), part_sum(partials * G), part_out(partials * G * D);
+
+  at::parallel_for(0, static_cast<int64_t>(units.size()), 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, maxes(G), sums(G), ones(G, 1.f);
     std::vector<int64_t> rows;
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / KVH, kh = item % KVH, len = lp[b];
-      const int64_t start = sliding_window > 0 ? std::max<int64_t>(0, len - sliding_window) : 0;
-      const int64_t n = len - start;
+    for (int64_t u = begin; u < end; ++u) {
+      const Unit& unit = units[u];
+      const int64_t b = unit.b, kh = unit.kh, n = unit.n, stop_at = unit.start + n;
       const int64_t* table = bt + b * W;
       // walk the block table once: where each attended position's row of this kv head is
       rows.resize(n);
-      for (int64_t t = start; t < len;) {
-        const int64_t block = t / block_size, stop = std::min(len, (block + 1) * block_size);
+      for (int64_t t = unit.start; t < stop_at;) {
+        const int64_t block = t / block_size, stop = std::min(stop_at, (block + 1) * block_size);
         int64_t row = ((table[block] * block_size + t - block * block_size) * KVH + kh) * D;
-        for (; t < stop; ++t, row += KVH * D) rows[t - start] = row;
+        for (; t < stop; ++t, row += KVH * D) rows[t - unit.start] = row;
       }
       const Item it{qp + (b * H + kh * G) * D, rows.data(), n, G, D, static_cast<float>(scale)};
       scores.resize(G * n);  // [G][n]: each head's scores contiguous for the softmax
@@ -255,11 +290,43 @@ static void decode(const torch::Tensor& q, const torch::Tensor& k_cache, const t
       else
         scores_generic(it, kp, scores.data(), maxes.data());
       for (int64_t g = 0; g < G; ++g) sums[g] = exp_shifted(scores.data() + g * n, n, maxes[g]);
-      float* o = op + (b * H + kh * G) * D;
+      // the only chunk: normalised into out; else unnormalised into its partial
+      const bool whole = unit.partial < 0;
+      float* o = whole ? op + (b * H + kh * G) * D : part_out.data() + unit.partial * G * D;
+      const float* divisors = whole ? sums.data() : ones.data();
       if (vectorised)
-        values_avx2(it, vp, scores.data(), sums.data(), o);
+        values_avx2(it, vp, scores.data(), divisors, o);
       else
-        values_generic(it, vp, scores.data(), sums.data(), o);
+        values_generic(it, vp, scores.data(), divisors, o);
+      if (!whole)
+        for (int64_t g = 0; g < G; ++g) {
+          part_max[unit.partial * G + g] = maxes[g];
+          part_sum[unit.partial * G + g] = sums[g];
+        }
+    }
+  });
+  if (partials == 0) return;
+  // merge each chunked item's partials: out = sum_c e^(m_c - M) o_c / sum_c e^(m_c - M) s_c
+  at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t p0 = first_partial[item];
+      if (p0 < 0) continue;
+      const int64_t chunks = num_chunks[item];
+      for (int64_t g = 0; g < G; ++g) {
+        float m = -std::numeric_limits<float>::infinity();
+        for (int64_t c = 0; c < chunks; ++c) m = std::max(m, part_max[(p0 + c) * G + g]);
+        float* o = op + (item * G + g) * D;  // item = b * KVH + kh, so (b * H + kh * G + g) * D
+        std::fill(o, o + D, 0.f);
+        float total = 0.f;
+        for (int64_t c = 0; c < chunks; ++c) {
+          const float w = std::exp(part_max[(p0 + c) * G + g] - m);
+          total += w * part_sum[(p0 + c) * G + g];
+          const float* pc = part_out.data() + ((p0 + c) * G + g) * D;
+          for (int64_t d = 0; d < D; ++d) o[d] += w * pc[d];
+        }
+        const float inv = 1.f / total;
+        for (int64_t d = 0; d < D; ++d) o[d] *= inv;
+      }
     }
   });
 }
