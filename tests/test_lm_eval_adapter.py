@@ -16,25 +16,7 @@ from lm_eval.tasks import TaskManager  # noqa: E402
 from llmopt.loader import load  # noqa: E402
 from llmopt.eval.metrics.lm_eval_adapter import LlmoptLM  # noqa: E402
 from llmopt.eval.metrics.loglikelihood import loglikelihoods  # noqa: E402
-from llmopt.eval.metrics.mmlu import evaluate_mmlu, load_mmlu  # noqa: E402
-
-MMLU_YAML = """\
-task: llmopt_local_mmlu
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {rows}
-test_split: test
-output_type: multiple_choice
-description: "The following are multiple choice questions (with answers) about {{{{subject.replace('_', ' ')}}}}.\\n\\n"
-doc_to_text: "{{{{question.strip()}}}}\\nA. {{{{choices[0]}}}}\\nB. {{{{choices[1]}}}}\\nC. {{{{choices[2]}}}}\\nD. {{{{choices[3]}}}}\\nAnswer:"
-doc_to_choice: ["A", "B", "C", "D"]
-doc_to_target: answer
-metric_list:
-  - metric: acc
-    aggregation: mean
-    higher_is_better: true
-"""
+from llmopt.eval.metrics.mmlu import evaluate_mmlu, load_mmlu, write_lm_eval_task  # noqa: E402
 
 GEN_YAML = """\
 task: llmopt_local_generate
@@ -100,9 +82,8 @@ def _run(model, folder: Path, task: str, **kw):
 
 def test_local_mmlu_yaml_through_the_adapter_equals_the_built_in_mmlu(model, tmp_path):
     questions = [q for q in load_mmlu(None) if q.subject in ("anatomy", "virology")][:24]
-    rows = [{"subject": q.subject, "question": q.question, "choices": list(q.choices), "answer": q.answer}
-            for q in questions]
-    folder = _write(tmp_path, "mmlu", MMLU_YAML, rows)
+    folder = tmp_path / "tasks"
+    write_lm_eval_task(questions, folder, "llmopt_local_mmlu")
     out = _run(model, folder, "llmopt_local_mmlu")
 
     built_in = evaluate_mmlu(questions, lambda pairs: loglikelihoods(model, pairs))
@@ -175,9 +156,8 @@ def test_cli_lm_eval_tasks_from_an_include_path_equal_the_built_in_mmlu(model, t
     from conftest import run_cli
 
     questions = [q for q in load_mmlu(None) if q.subject in ("anatomy", "virology")][:12]
-    rows = [{"subject": q.subject, "question": q.question, "choices": list(q.choices), "answer": q.answer}
-            for q in questions]
-    folder = _write(tmp_path, "mmlu", MMLU_YAML, rows)
+    folder = tmp_path / "tasks"
+    write_lm_eval_task(questions, folder, "llmopt_local_mmlu")
     spec = str(model.source.path)
     code, err, out = run_cli("eval", spec, "--tasks", "lm-eval:llmopt_local_mmlu", "--lm-eval-include-path",
                              str(folder), "--output", str(tmp_path / "lm.json"), "--log-samples", "--json")
@@ -191,7 +171,7 @@ def test_cli_lm_eval_tasks_from_an_include_path_equal_the_built_in_mmlu(model, t
     assert len(samples) == len(questions) and "resps" in json.loads(samples[0])
     # built-in and lm-eval tasks in one run: one JSON, both in results, llmopt's gates beside
     code, err, out = run_cli("eval", spec, "--tasks", "mmlu,lm-eval:llmopt_local_mmlu", "--lm-eval-include-path",
-                             str(folder), "--mmlu-path", str(tmp_path / "mmlu.jsonl"), "--no-cache", "--json")
+                             str(folder), "--mmlu-path", str(folder / "llmopt_local_mmlu.jsonl"), "--no-cache", "--json")
     assert code == 0, err
     both = json.loads(out)
     assert both["results"]["mmlu"]["acc,none"] == pytest.approx(entry["acc,none"])

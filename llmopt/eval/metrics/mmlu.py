@@ -288,6 +288,39 @@ def _load_hub(spec: str, split: str) -> list[MMLUQuestion]:
 # ---------------------------------------------------------------------------- prompts
 
 
+# lm-evaluation-harness's MMLU prompt (its `_default_template_yaml`, zero-shot) over a local JSONL of
+# questions: `write_lm_eval_task` fills in the task name and the rows file
+LM_EVAL_TASK_YAML = """\
+task: {task}
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {rows}
+test_split: test
+output_type: multiple_choice
+description: "The following are multiple choice questions (with answers) about {{{{subject.replace('_', ' ')}}}}.\\n\\n"
+doc_to_text: "{{{{question.strip()}}}}\\nA. {{{{choices[0]}}}}\\nB. {{{{choices[1]}}}}\\nC. {{{{choices[2]}}}}\\nD. {{{{choices[3]}}}}\\nAnswer:"
+doc_to_choice: ["A", "B", "C", "D"]
+doc_to_target: answer
+metric_list:
+  - metric: acc
+    aggregation: mean
+    higher_is_better: true
+"""
+
+
+def write_lm_eval_task(questions: Sequence[MMLUQuestion], folder: Path, task: str = "llmopt_mmlu") -> Path:
+    """`questions` as an lm-evaluation-harness task for `--include_path folder`: folder/<task>.yaml
+    (lm-eval's MMLU prompt, zero-shot) and the rows it reads, folder/<task>.jsonl. Returns the YAML."""
+    folder.mkdir(parents=True, exist_ok=True)
+    rows = (folder / f"{task}.jsonl").resolve()
+    rows.write_text("".join(json.dumps({"subject": q.subject, "question": q.question, "choices": list(q.choices),
+                                        "answer": q.answer}) + "\n" for q in questions), encoding="utf-8")
+    yaml = folder / f"{task}.yaml"
+    yaml.write_text(LM_EVAL_TASK_YAML.format(task=task, rows=rows), encoding="utf-8")
+    return yaml
+
+
 def description(subject: str) -> str:
     return f"The following are multiple choice questions (with answers) about {subject.replace('_', ' ')}.\n\n"
 
