@@ -215,16 +215,24 @@ def dequant_meta(packed: PackedInt4) -> dict:
     return dict(HAS_PERM=packed.perm is not None, ONE_GROUP=one_group, BLOCK_K=block_k, BLOCK_N=DEQUANT_BLOCK[1])
 
 
-def fused_matmul(x: torch.Tensor, packed: PackedInt4, bias: torch.Tensor | None, path: str) -> torch.Tensor:
-    """x [M, K] @ W^T (+ bias) -> [M, N] in x's dtype by the "gemv", "splitk" or "gemm" kernel, one launch."""
+def fused_matmul(x: torch.Tensor, packed: PackedInt4, bias: torch.Tensor | None, path: str,
+                 tune: dict | None = None) -> torch.Tensor:
+    """x [M, K] @ W^T (+ bias) -> [M, N] in x's dtype by the "gemv", "splitk" or "gemm" kernel, one launch.
+
+    `tune` (configuration sweeps, scripts/int4_sweep.py): BLOCK_N, BLOCK_K (a divisor of the group
+    width, or any size for one group), SPLIT_K, num_warps, num_stages in place of the defaults."""
     m, k = x.shape
     n = packed.out_features
     if path not in ("gemv", "splitk", "gemm"):
         raise ValueError(f"unknown path {path!r}")
+    tune = dict(tune or {})
+    options = {key: tune.pop(key) for key in ("num_warps", "num_stages") if key in tune}
+    forced_split = tune.pop("SPLIT_K", None)
     probe = gemv_meta(packed, False, 1) if path == "gemv" else gemm_meta(packed, False, 1, path, x.dtype)
+    probe.update(tune)
     block_m = probe.get("BLOCK_M", 1)
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, probe["BLOCK_N"])
-    split = 1 if path == "gemm" else _split_k(x.device, tiles, triton.cdiv(k, probe["BLOCK_K"]))
+    split = forced_split or (1 if path == "gemm" else _split_k(x.device, tiles, triton.cdiv(k, probe["BLOCK_K"])))
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out  # out: unused
     counters = _tile_counters(x.device, tiles) if split > 1 else packed.qweight  # a dummy pointer when unused
@@ -235,10 +243,11 @@ def fused_matmul(x: torch.Tensor, packed: PackedInt4, bias: torch.Tensor | None,
                part.stride(1) if split > 1 else 0)
     if path == "gemv":
         _gemv_kernel[(triton.cdiv(n, probe["BLOCK_N"]), split, m)](
-            *args, n, k, packed.group_size, *strides, **gemv_meta(packed, bias is not None, split))
+            *args, n, k, packed.group_size, *strides, **{**gemv_meta(packed, bias is not None, split), **tune},
+            **options)
     else:
         _gemm_kernel[(tiles, split)](*args, m, n, k, packed.group_size, *strides,
-                                     **gemm_meta(packed, bias is not None, split, path, x.dtype))
+                                     **{**gemm_meta(packed, bias is not None, split, path, x.dtype), **tune}, **options)
     return out
 
 

@@ -81,6 +81,11 @@ def _write_kv_kernel(
     _store_row(v_cache_ptr, dst, tl.load(v_ptr + token * stride_vt + head * stride_vh + dims, mask=ok), v_scale, ok)
 
 
+def write_kv_meta(head_dim: int) -> dict:
+    """The constexprs of `_write_kv_kernel` (what `write_kv` passes)."""
+    return dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=triton.next_power_of_2(head_dim))
+
+
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
              k: torch.Tensor, v: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """Store new keys/values [num_tokens, kv_heads, head_dim] at their slots (slot_mapping
@@ -97,5 +102,5 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.T
         k_cache.stride(0), k_cache.stride(1),
         k.stride(0), k.stride(1),
         v.stride(0), v.stride(1),
-        HEAD_DIM=head_dim, HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
+        **write_kv_meta(head_dim),
     )

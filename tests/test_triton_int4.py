@@ -244,3 +244,16 @@ def test_split_k_sum_bias_and_cast_in_one_launch(monkeypatch, device, rows, path
     assert got.dtype == torch.float16 and torch.equal(got, again)
     check_close(got, x, packed, bias)
     assert int(triton_int4_kernels._COUNTERS[x.device].abs().sum()) == 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("path,tune", [("gemv", dict(BLOCK_N=32, BLOCK_K=64, SPLIT_K=2, num_warps=2)),
+                                       ("splitk", dict(BLOCK_N=128, BLOCK_K=32, SPLIT_K=4))])
+def test_tuned_configurations_compute_the_same_product(device, path, tune):
+    """`fused_matmul`'s `tune` (what scripts/int4_sweep.py varies) changes tiles and splits, not results."""
+    q = quantized(136, 256, 64, act_order=False, seed=11)
+    packed = pack_int4(q.codes, q.scales, q.zeros, q.g_idx).to(device)
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(3, 256, generator=gen).to(device, torch.float16)
+    bias = torch.randn(136, generator=gen).to(device, torch.float16)
+    check_close(triton_int4_kernels.fused_matmul(x, packed, bias, path, tune), x, packed, bias)
