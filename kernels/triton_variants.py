@@ -61,9 +61,24 @@ class Variant:
         items = {**self.tags, **self.constexprs}
         return self.kernel + "[" + ",".join(f"{k}={v}" for k, v in items.items()) + "]"
 
-    def features(self) -> set[tuple[str, str, str]]:
-        """(kernel, name, value) items: what a covering subset must contain at least once."""
-        return {(self.kernel, k, str(v)) for k, v in {**self.tags, **self.constexprs}.items()}
+    def features(self, keys: set[str] | None = None) -> set[tuple[str, ...]]:
+        """(kernel, name, value) items a covering subset must contain at least once: every tag and
+        constexpr, or only those named in `keys` plus whether the launch splits (split-KV / split-K)."""
+        items = {**self.tags, **self.constexprs}
+        if keys is None:
+            return {(self.kernel, k, str(v)) for k, v in items.items()}
+        split = max(items.get("NUM_SPLITS", 1), items.get("SPLIT_K", 1)) > 1
+        return {(self.kernel, k, str(v)) for k, v in items.items() if k in keys} | {(self.kernel, "split", str(split))}
+
+    def supported_on(self, arch: int) -> bool:
+        """Whether the launchers can launch it on compute capability `arch` (fp8 pools need FP8_MIN_ARCH)."""
+        from llmopt.kernels.triton_write_kv import FP8_MIN_ARCH
+
+        return arch >= FP8_MIN_ARCH or "float8_e4m3fn" not in self.tags.values()
+
+
+# what changes the generated code most: dtypes, exact fp32 products, bias, act-order, one group, splitting
+SMOKE_KEYS = {"q", "kv", "x", "FP32_DOT", "HAS_BIAS", "HAS_PERM", "ONE_GROUP"}
 
 
 def _jit(module: str, kernel: str):
@@ -167,16 +182,30 @@ def enumerate_variants(params: VariantParams) -> list[Variant]:
     return unique
 
 
-def covering_subset(variants: list[Variant]) -> list[Variant]:
+def covering_subset(variants: list[Variant], keys: set[str] | None = None) -> list[Variant]:
     """Few variants in which every (kernel, argument, value) of the whole list appears at least once
-    (greedy set cover: the variant adding most uncovered items first, ties to the earliest)."""
-    uncovered = set().union(*(v.features() for v in variants))
+    (`Variant.features(keys)`; greedy set cover: the variant adding most uncovered items first)."""
+    uncovered = set().union(*(v.features(keys) for v in variants))
     chosen = []
     while uncovered:
-        best = max(variants, key=lambda v: len(v.features() & uncovered))
+        best = max(variants, key=lambda v: len(v.features(keys) & uncovered))
         chosen.append(best)
-        uncovered -= best.features()
+        uncovered -= best.features(keys)
     return sorted(chosen, key=variants.index)
+
+
+def select(variants: list[Variant], scope: str) -> list[Variant]:
+    """"smoke" (every dtype, flag and split-or-not per kernel, at the smallest head dim: ~25), "cover"
+    (every value of every constexpr too: ~35) or "full" (all)."""
+    if scope == "full":
+        return list(variants)
+    if scope not in ("smoke", "cover"):
+        raise ValueError(f"unknown scope {scope!r}: smoke, cover or full")
+    if scope == "cover":
+        return covering_subset(variants)
+    # the smallest head dims first: the same lowering of every dtype and flag, a fraction of the compile time
+    by_size = sorted(variants, key=lambda v: v.constexprs.get("HEAD_DIM_PAD", 0))
+    return sorted(covering_subset(by_size, SMOKE_KEYS), key=variants.index)
 
 
 @dataclass
@@ -235,11 +264,14 @@ def _worker() -> None:
         print(json.dumps(asdict(_compile_one(variants[index], arch))), flush=True)
 
 
-def compile_variants(params: VariantParams, indices: list[int], archs: list[int],
-                     jobs: int = 2) -> list[CompileResult]:
-    """Compile variants `indices` of `enumerate_variants(params)` for every arch in `archs`, in `jobs`
-    processes (each with the interpreter off); results in (index, arch) order."""
-    tasks = [(i, arch) for i in indices for arch in archs]
+def compile_tasks(variants: list[Variant], chosen: list[Variant], archs: list[int]) -> list[tuple[int, int]]:
+    """(index in `variants`, arch) for each chosen variant on each arch that can launch it."""
+    return [(variants.index(v), arch) for v in chosen for arch in archs if v.supported_on(arch)]
+
+
+def compile_variants(params: VariantParams, tasks: list[tuple[int, int]], jobs: int = 2) -> list[CompileResult]:
+    """Compile (index of `enumerate_variants(params)`, arch) `tasks` in `jobs` processes (each with
+    the interpreter off); results in task order."""
     chunks = [tasks[j::jobs] for j in range(jobs) if tasks[j::jobs]]
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
     code = "from llmopt.kernels.triton_variants import _worker; _worker()"
@@ -256,4 +288,4 @@ def compile_variants(params: VariantParams, indices: list[int], archs: list[int]
             raise RuntimeError(f"compile worker failed (exit {proc.returncode}):\n{stderr[-4000:]}")
         for task, line in zip(chunk, lines):
             results[tuple(task)] = CompileResult(**json.loads(line))
-    return [results[t] for t in tasks]
+    return [results[tuple(t)] for t in tasks]

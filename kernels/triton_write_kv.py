@@ -14,6 +14,9 @@ import triton.language as tl
 
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 FP8_DTYPE = torch.float8_e4m3fn
+# Triton refuses e4m3 (fp8e4nv) below compute capability 8.9 (Ada, Hopper): on an A100 an fp8 pool
+# does not compile (tests/test_triton_compile.py), so the runtime refuses it there
+FP8_MIN_ARCH = 89
 
 
 @triton.jit

@@ -1,8 +1,8 @@
 """Registers, spills and shared memory of every Triton kernel variant llmopt can launch, compiled
 for NVIDIA GPUs on this machine (no GPU needed: Triton's compiler and ptxas run anywhere).
 
-    python scripts/triton_compile_report.py                 # the covering subset, sm_80/89/90
-    python scripts/triton_compile_report.py --full --json report.json
+    python scripts/triton_compile_report.py                 # every constexpr value, sm_80/89/90
+    python scripts/triton_compile_report.py --scope full --json report.json
 
 The variants are those tests/test_triton_compile.py compiles (`llmopt.kernels.triton_variants`).
 Spills are Triton's `n_spills` (local memory per thread / 4 bytes); a decode-path kernel that spills
@@ -21,24 +21,26 @@ from dataclasses import asdict
 from pathlib import Path
 
 from llmopt.bench.kernel_variants import shipped_params
-from llmopt.kernels.triton_variants import compile_variants, covering_subset, enumerate_variants
+from llmopt.kernels.triton_variants import compile_tasks, compile_variants, enumerate_variants, select
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", default="80,89,90", help="compute capabilities, comma-separated")
-    parser.add_argument("--full", action="store_true", help="every variant (hours on two cores), not the subset")
+    parser.add_argument("--scope", default="cover", choices=("smoke", "cover", "full"),
+                        help="smoke: every dtype and flag; cover: every constexpr value too; full: all (hours)")
     parser.add_argument("--jobs", type=int, default=2, help="compiler processes")
     parser.add_argument("--json", type=Path, help="also write every result here")
     args = parser.parse_args()
     archs = [int(a) for a in args.arch.split(",")]
     params = shipped_params()
     variants = enumerate_variants(params)
-    chosen = variants if args.full else covering_subset(variants)
-    print(f"{len(chosen)} of {len(variants)} variants x {len(archs)} targets ({'full' if args.full else 'subset'})",
-          flush=True)
+    chosen = select(variants, args.scope)
+    tasks = compile_tasks(variants, chosen, archs)
+    print(f"{len(chosen)} of {len(variants)} variants ({args.scope}), {len(tasks)} compiles for sm_"
+          + "/".join(map(str, archs)) + " (fp8 pools from sm_89 on)", flush=True)
     start = time.perf_counter()
-    results = compile_variants(params, [variants.index(v) for v in chosen], archs, jobs=args.jobs)
+    results = compile_variants(params, tasks, jobs=args.jobs)
     wall = time.perf_counter() - start
     print(f"{'arch':>5} {'regs':>5} {'spills':>6} {'smem KiB':>8} {'warps':>5}  variant")
     for r in sorted(results, key=lambda r: (r.kernel, r.arch)):
