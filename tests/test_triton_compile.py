@@ -110,3 +110,17 @@ def test_every_kernel_compiles_for_sm80_sm89_sm90():
     spills = [f"sm_{r.arch} {r.label}: {r.spills} spilled words" for r in results
               if r.spills and r.kernel in DECODE_PATH and r.kernel not in ACCEPTED_SPILLS]
     assert not spills, "\n".join(spills)
+
+
+def test_the_triton_backend_refuses_fp8_pools_below_sm89(monkeypatch):
+    from types import SimpleNamespace
+
+    from llmopt.errors import LlmoptError
+    from llmopt.model.backends.triton import TritonBackend
+
+    pool = SimpleNamespace(dtype=torch.float8_e4m3fn, device=torch.device("cuda", 0))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    with pytest.raises(LlmoptError, match="compute capability 8.9"):
+        TritonBackend().paged_attention(pool, pool, torch.bfloat16)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert TritonBackend().paged_attention(pool, pool, torch.bfloat16).k_caches is pool
