@@ -16,8 +16,9 @@ it once, at load, into `PackedInt4`; `int4_matmul` picks one of four paths by ro
 - `dequant`: M >= `dequant_min_rows`. One Triton pass writes the dense W^T in x's dtype and
   torch's matmul (cuBLAS) does the rest: there the problem is compute bound and cuBLAS wins.
 
-Split-K programs write fp32 partial sums that torch adds up in a fixed order, so results
-are deterministic (no atomics). The `@triton.jit` kernels and their launches live in
+Split-K programs write fp32 partial sums; the last program of each output tile adds them up
+in a fixed order, with the bias and the cast, inside the same launch, so results are
+deterministic (an atomic counts arrivals, never sums values). The `@triton.jit` kernels and their launches live in
 `triton_int4_kernels.py`, imported on the first call, so packing and the reference load
 without Triton. Neither module imports anything from llmopt outside `llmopt.kernels`.
 `reference_int4_matmul` is the same product in plain PyTorch (fp32), for tests.

@@ -11,9 +11,16 @@ Grid of the main kernel: (sequence, kv_head, split). One program holds all query
 one KV head (grouped-query attention), so each K/V row is loaded once per KV head, and
 looks every key's slot up through the block table (no gather into a fresh tensor).
 Split-KV (flash-decoding): with few sequences the (sequence, kv_head) grid is far smaller
-than the GPU, so each sequence's key range is cut into `num_splits` pieces; each program
+than the GPU, so each sequence's key range is cut into up to `num_splits` pieces; each program
 writes its piece's normalised output and log-sum-exp, and `_merge_splits` combines them.
 With one split the main kernel writes the output directly and no merge runs.
+
+The split count is a compile-time constant chosen from the batch-size bucket alone (as vLLM's
+fixed 16 KV segments), never from the context lengths: a serving loop whose contexts grow
+compiles one variant per bucket, not one per length. How many of its splits a sequence uses
+is decided in the kernel from its own length (at least `MIN_KEYS_PER_SPLIT` keys each); the
+unused ones store an empty piece. The partials live in a `DecodeWorkspace` the caller keeps,
+so a step allocates nothing.
 """
 
 from __future__ import annotations
@@ -27,10 +34,12 @@ import triton.language as tl
 from llmopt.kernels.triton_attention_tiles import kv_slots, load_kv, pv_product, qk_scores
 
 # Below this many keys per split, the merge pass and the partial-output traffic cost more
-# than the extra parallelism buys.
+# than the extra parallelism buys (applied per sequence, in the kernel).
 MIN_KEYS_PER_SPLIT = 256
 # Bounds the partial-output buffer ([batch, heads, splits, head_dim] fp32) and the merge loop.
 MAX_SPLITS = 32
+# Every split count `choose_num_splits` can return: the NUM_SPLITS variants a GPU compiles.
+SPLIT_CHOICES = tuple(2 ** i for i in range(MAX_SPLITS.bit_length()))
 # Programs wanted per streaming multiprocessor: two keeps every SM busy while one program
 # waits on memory (decode is bandwidth bound).
 PROGRAMS_PER_SM = 2
@@ -38,23 +47,69 @@ PROGRAMS_PER_SM = 2
 BLOCK_N = 32
 
 
-def choose_num_splits(batch: int, kv_heads: int, max_context_len: int, num_sms: int) -> int:
-    """How many pieces to cut each sequence's keys into (1 = no split-KV).
+def batch_bucket(batch: int) -> int:
+    """The power of two >= batch: decode batches of one bucket share a split count."""
+    return 1 << max(0, batch - 1).bit_length()
 
-    Enough (sequence, kv_head, split) programs to give every SM `PROGRAMS_PER_SM` of them,
-    but never fewer than `MIN_KEYS_PER_SPLIT` keys per split nor more than `MAX_SPLITS`:
-    a large batch or a short context gets 1, a long context at batch 1 gets many.
+
+def choose_num_splits(batch: int, kv_heads: int, num_sms: int) -> int:
+    """How many pieces each sequence's keys may be cut into (1 = no split-KV), a power of two.
+
+    Enough (sequence, kv_head, split) programs for the batch's bucket to give every SM
+    `PROGRAMS_PER_SM` of them, at most `MAX_SPLITS`: a large batch gets 1, batch 1 many.
+    The context length plays no part (see the module docstring); the kernel keeps short
+    sequences to fewer splits.
     """
-    programs = batch * kv_heads
+    programs = batch_bucket(batch) * kv_heads
     wanted = -(-PROGRAMS_PER_SM * num_sms // programs)  # ceil: splits that fill the GPU
-    by_length = max(1, max_context_len // MIN_KEYS_PER_SPLIT)
-    return max(1, min(wanted, by_length, MAX_SPLITS))
+    return min(1 << (max(1, wanted).bit_length() - 1), MAX_SPLITS)  # rounded down to a power of two
 
 
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 1  # the interpreter (CPU tensors): parallelism does not matter, keep one split
+
+
+def decode_meta(group: int, head_dim: int, block_size: int, num_splits: int, q_dtype: torch.dtype) -> dict:
+    """The constexprs of `_decode_split_kernel` for one launch (what the launcher passes)."""
+    return dict(GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
+                HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad(head_dim),
+                BLOCK_SIZE=block_size, BLOCK_N=BLOCK_N, NUM_SPLITS=num_splits,
+                FP32_DOT=q_dtype == torch.float32)
+
+
+def merge_meta(head_dim: int, num_splits: int) -> dict:
+    """The constexprs of `_merge_splits` (launched only for num_splits > 1)."""
+    return dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad(head_dim),
+                NUM_SPLITS=num_splits, SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)))
+
+
+def head_dim_pad(head_dim: int) -> int:
+    return max(16, triton.next_power_of_2(head_dim))  # tl.dot: every dimension >= 16
+
+
+class DecodeWorkspace:
+    """The split-KV partials (output [batch, heads, splits, head_dim_pad] and log-sum-exp
+    [batch, heads, splits], fp32), kept between calls in one buffer that grows when a call
+    needs more: steady-state decode allocates nothing, and the views keep their addresses."""
+
+    def __init__(self) -> None:
+        self.buffer: torch.Tensor | None = None
+
+    def reserve(self, batch: int, heads: int, num_splits: int, head_dim: int, device: torch.device) -> None:
+        """Grow now to hold a call of this size (e.g. the largest bucket, before capturing graphs)."""
+        need = batch * heads * num_splits * (head_dim_pad(head_dim) + 1)
+        if self.buffer is None or self.buffer.numel() < need or self.buffer.device != torch.device(device):
+            self.buffer = torch.empty(need, dtype=torch.float32, device=device)
+
+    def partials(self, batch: int, heads: int, num_splits: int, head_dim: int,
+                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        self.reserve(batch, heads, num_splits, head_dim, device)
+        n_out = batch * heads * num_splits * head_dim_pad(head_dim)
+        part_out = self.buffer[:n_out].view(batch, heads, num_splits, head_dim_pad(head_dim))
+        part_lse = self.buffer[n_out:n_out + batch * heads * num_splits].view(batch, heads, num_splits)
+        return part_out, part_lse
 
 
 @triton.jit
@@ -70,6 +125,7 @@ def _decode_split_kernel(
     stride_pb, stride_ph, stride_ps,  # partial output [batch, heads, splits, head_dim]
     stride_lb, stride_lh,  # partial lse [batch, heads, splits]
     window,  # sliding window, 0 = none
+    min_keys,  # fewest keys per used split (1: every sequence uses all NUM_SPLITS)
     GROUP: tl.constexpr,  # query heads per KV head
     GROUP_PAD: tl.constexpr,  # >= 16, a power of two (tl.dot's smallest tile)
     HEAD_DIM: tl.constexpr,
@@ -86,8 +142,10 @@ def _decode_split_kernel(
     length = tl.load(lens_ptr + seq)
     # the window keeps keys with position > length-1-window, i.e. >= length-window
     first = tl.where(window > 0, tl.maximum(length - window, 0), 0)
+    # this sequence's splits: NUM_SPLITS, fewer for a short one (the rest stay empty)
+    used = tl.minimum(tl.maximum((length - first) // min_keys, 1), NUM_SPLITS)
     # whole tiles per split, so only the last tile of each split is partial
-    per_split = tl.cdiv(tl.cdiv(length - first, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    per_split = tl.cdiv(tl.cdiv(length - first, used), BLOCK_N) * BLOCK_N
     start = first + split * per_split
     end = tl.minimum(start + per_split, length)
 
@@ -119,7 +177,7 @@ def _decode_split_kernel(
         s = s * alpha + tl.sum(p, 1)
         m = m_new
 
-    # an empty split (its range lies past the sequence's end) leaves s = 0: output 0, lse -inf
+    # an empty split (past `used`, or past the end) leaves s = 0: output 0, lse -inf, weight 0 in the merge
     safe_s = tl.where(s > 0, s, 1.0)
     out = acc / safe_s[:, None]
     out_mask = row_ok[:, None] & dim_ok[None, :]
@@ -164,17 +222,18 @@ def _merge_splits(
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int,
                            scale: float, sliding_window: int | None = None, num_splits: int | None = None,
-                           max_context_len: int | None = None, k_scale: float = 1.0,
-                           v_scale: float = 1.0) -> torch.Tensor:
+                           k_scale: float = 1.0, v_scale: float = 1.0,
+                           workspace: DecodeWorkspace | None = None) -> torch.Tensor:
     """One query token per sequence, through the block tables.
 
     q [batch, heads, head_dim]; k_cache/v_cache [slots, kv_heads, head_dim] (any dtype that
     converts to q's); block_tables [batch, width] int32 block ids (padding entries never
-    read); context_lens [batch] keys per sequence (>= 1, the new token included).
-    Returns [batch, heads, head_dim] in q's dtype. `num_splits`: force split-KV (default:
-    `choose_num_splits`); `max_context_len`: max(context_lens) if the caller knows it
-    (saves a device sync; only the split heuristic uses it). `k_scale`/`v_scale`: an fp8
-    (e4m3) pool's scales, keys read as stored * k_scale (other pools ignore them).
+    read); context_lens [batch] int32 keys per sequence (>= 1, the new token included).
+    Returns [batch, heads, head_dim] in q's dtype. `num_splits`: cut every sequence into
+    exactly this many pieces (tests; default: `choose_num_splits` for the batch, each
+    sequence using as many as its length warrants). `k_scale`/`v_scale`: an fp8 (e4m3)
+    pool's scales, keys read as stored * k_scale (other pools ignore them). `workspace`:
+    where the split partials go (default: allocated for this call).
     """
     batch, heads, head_dim = q.shape
     kv_heads = k_cache.shape[1]
@@ -185,17 +244,15 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     out = torch.empty_like(q)
     if batch == 0:
         return out
+    min_keys = 1 if num_splits is not None else MIN_KEYS_PER_SPLIT
     if num_splits is None:
-        if max_context_len is None:
-            max_context_len = int(context_lens.max())
-        num_splits = choose_num_splits(batch, kv_heads, max_context_len, _num_sms(q.device))
-    head_dim_pad = max(16, triton.next_power_of_2(head_dim))  # tl.dot: every dimension >= 16
+        num_splits = choose_num_splits(batch, kv_heads, _num_sms(q.device))
     if num_splits > 1:
-        part_out = torch.empty(batch, heads, num_splits, head_dim_pad, dtype=torch.float32, device=q.device)
-        part_lse = torch.empty(batch, heads, num_splits, dtype=torch.float32, device=q.device)
+        part_out, part_lse = (workspace or DecodeWorkspace()).partials(batch, heads, num_splits, head_dim, q.device)
+        strides_p = (*part_out.stride()[:3], *part_lse.stride()[:2])
     else:
         part_out = part_lse = out  # unused
-    strides_p = (*part_out.stride()[:3], *part_lse.stride()[:2]) if num_splits > 1 else (0,) * 5
+        strides_p = (0,) * 5
     _decode_split_kernel[(batch, kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_lse,
         scale * math.log2(math.e), float(k_scale), float(v_scale),
@@ -205,16 +262,10 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         block_tables.stride(0),
         out.stride(0), out.stride(1),
         *strides_p,
-        sliding_window or 0,
-        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
-        HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
-        BLOCK_SIZE=block_size, BLOCK_N=BLOCK_N, NUM_SPLITS=num_splits,
-        FP32_DOT=q.dtype == torch.float32,
+        sliding_window or 0, min_keys,
+        **decode_meta(group, head_dim, block_size, num_splits, q.dtype),
     )
     if num_splits > 1:
         _merge_splits[(batch, heads)](
-            part_out, part_lse, out, *strides_p, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
-            NUM_SPLITS=num_splits, SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)),
-        )
+            part_out, part_lse, out, *strides_p, out.stride(0), out.stride(1), **merge_meta(head_dim, num_splits))
     return out

@@ -104,6 +104,12 @@ def _prefill_kernel(
     tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
 
 
+def prefill_meta(group: int, head_dim: int, block_size: int, q_dtype: torch.dtype) -> dict:
+    """The constexprs of `_prefill_kernel` for one launch (what the launcher passes)."""
+    return dict(GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)),
+                BLOCK_SIZE=block_size, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, FP32_DOT=q_dtype == torch.float32)
+
+
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
                             block_size: int, scale: float, sliding_window: int | None = None,
@@ -142,8 +148,6 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         v_cache.stride(0), v_cache.stride(1),
         out.stride(0), out.stride(1),
         block_tables.stride(0),
-        GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)),
-        BLOCK_SIZE=block_size, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-        FP32_DOT=q.dtype == torch.float32,
+        **prefill_meta(group, head_dim, block_size, q.dtype),
     )
     return out

@@ -14,6 +14,9 @@ import triton.language as tl
 
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 FP8_DTYPE = torch.float8_e4m3fn
+# Triton refuses e4m3 (fp8e4nv) below compute capability 8.9 (Ada, Hopper): on an A100 an fp8 pool
+# does not compile (tests/test_triton_compile.py), so the runtime refuses it there
+FP8_MIN_ARCH = 89
 
 
 @triton.jit
@@ -81,6 +84,11 @@ def _write_kv_kernel(
     _store_row(v_cache_ptr, dst, tl.load(v_ptr + token * stride_vt + head * stride_vh + dims, mask=ok), v_scale, ok)
 
 
+def write_kv_meta(head_dim: int) -> dict:
+    """The constexprs of `_write_kv_kernel` (what `write_kv` passes)."""
+    return dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=triton.next_power_of_2(head_dim))
+
+
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
              k: torch.Tensor, v: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """Store new keys/values [num_tokens, kv_heads, head_dim] at their slots (slot_mapping
@@ -97,5 +105,5 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.T
         k_cache.stride(0), k_cache.stride(1),
         k.stride(0), k.stride(1),
         v.stride(0), v.stride(1),
-        HEAD_DIM=head_dim, HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
+        **write_kv_meta(head_dim),
     )

@@ -220,3 +220,40 @@ def test_kernels_import_nothing_from_llmopt_outside_kernels():
             "print(sorted(m for m in sys.modules if m.startswith('llmopt')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert eval(out) == ["llmopt", "llmopt.kernels", "llmopt.kernels.triton_int4", "llmopt.kernels.triton_int4_kernels"]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("rows,path", [(1, "gemv"), (5, "splitk")])
+def test_split_k_sum_bias_and_cast_in_one_launch(monkeypatch, device, rows, path):
+    """Split-K > 1: the tile's last program adds the partials, the bias and casts in the kernel; the
+    arrival counters are back at zero afterwards (the next launch reuses them), and the same call
+    gives the same bits (a fixed summation order)."""
+    q = quantized(72, 256, 32, act_order=False, seed=rows)
+    packed = pack_int4(q.codes, q.scales, q.zeros, q.g_idx).to(device)
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 256, generator=gen).to(device, torch.float16)
+    bias = torch.randn(72, generator=gen).to(device, torch.float16)
+    splits = []
+    real_split_k = triton_int4_kernels._split_k
+    monkeypatch.setattr(triton_int4_kernels, "_split_k", lambda *a: splits.append(real_split_k(*a)) or splits[-1])
+    monkeypatch.setattr(torch.Tensor, "sum", lambda *a, **k: pytest.fail("a torch sum after the kernel"))
+    got = triton_int4_kernels.fused_matmul(x, packed, bias, path)
+    again = triton_int4_kernels.fused_matmul(x, packed, bias, path)
+    monkeypatch.undo()
+    assert splits[0] > 1
+    assert got.dtype == torch.float16 and torch.equal(got, again)
+    check_close(got, x, packed, bias)
+    assert int(triton_int4_kernels._COUNTERS[x.device].abs().sum()) == 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("path,tune", [("gemv", dict(BLOCK_N=32, BLOCK_K=64, SPLIT_K=2, num_warps=2)),
+                                       ("splitk", dict(BLOCK_N=128, BLOCK_K=32, SPLIT_K=4))])
+def test_tuned_configurations_compute_the_same_product(device, path, tune):
+    """`fused_matmul`'s `tune` (what scripts/int4_sweep.py varies) changes tiles and splits, not results."""
+    q = quantized(136, 256, 64, act_order=False, seed=11)
+    packed = pack_int4(q.codes, q.scales, q.zeros, q.g_idx).to(device)
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(3, 256, generator=gen).to(device, torch.float16)
+    bias = torch.randn(136, generator=gen).to(device, torch.float16)
+    check_close(triton_int4_kernels.fused_matmul(x, packed, bias, path, tune), x, packed, bias)

@@ -34,7 +34,13 @@ from llmopt.kernels.triton_paged_attention import (  # noqa: E402
     paged_prefill_attention,
     write_kv,
 )
-from llmopt.kernels.triton_paged_decode import MAX_SPLITS  # noqa: E402
+from llmopt.kernels import triton_paged_decode as decode_module  # noqa: E402
+from llmopt.kernels.triton_paged_decode import (  # noqa: E402
+    MAX_SPLITS,
+    SPLIT_CHOICES,
+    DecodeWorkspace,
+    batch_bucket,
+)
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 gpu = pytest.mark.skipif(DEVICE.type != "cuda", reason="bf16 queries need CUDA (the interpreter's bf16 dot is wrong)")
@@ -117,12 +123,35 @@ def test_decode_more_splits_than_keys():
     torch.testing.assert_close(got, expected, **_tol(torch.float32))
 
 
-def test_decode_default_splits_and_known_max_len():
+@pytest.mark.parametrize("min_keys", [256, 8])
+def test_decode_default_splits(monkeypatch, min_keys):
+    """The split count the batch's bucket gets (32 here), each sequence using as many as its own length
+    warrants: with 8 keys per split the 9-key sequence uses 1 split, the 70-key one 8, the rest stay empty."""
+    monkeypatch.setattr(decode_module, "_num_sms", lambda device: 64)
+    monkeypatch.setattr(decode_module, "MIN_KEYS_PER_SPLIT", min_keys)
+    assert choose_num_splits(2, 2, 64) == 32
     q, k_cache, v_cache, tables, lens = _decode_case([9, 70], 6, 2, 32, 16, torch.float32, torch.float32, seed=4)
     expected = _ref_decode(q, k_cache, v_cache, tables, lens, 16, 30)
-    for max_len in (None, 70):
-        got = paged_decode_attention(q, k_cache, v_cache, tables, lens, 16, 32 ** -0.5, 30, max_context_len=max_len)
-        torch.testing.assert_close(got, expected, **_tol(torch.float32))
+    got = paged_decode_attention(q, k_cache, v_cache, tables, lens, 16, 32 ** -0.5, 30)
+    torch.testing.assert_close(got, expected, **_tol(torch.float32))
+
+
+def test_decode_workspace_is_reused():
+    """The runtime's workspace: the same buffer for every call that fits, grown once for a larger one,
+    with stale partials of an earlier call never leaking into a later result."""
+    workspace = DecodeWorkspace()
+    small = _decode_case([5, 40], 4, 2, 16, 16, torch.float32, torch.float32, seed=8)
+    large = _decode_case([33, 1, 64, 17], 4, 2, 16, 16, torch.float32, torch.float32, seed=9)
+    buffers = []
+    for case, splits in ((small, 4), (small, 2), (large, 4), (small, 4)):
+        q, k_cache, v_cache, tables, lens = case
+        got = paged_decode_attention(q, k_cache, v_cache, tables, lens, 16, 16 ** -0.5, None, num_splits=splits,
+                                     workspace=workspace)
+        torch.testing.assert_close(got, _ref_decode(q, k_cache, v_cache, tables, lens, 16, None),
+                                   **_tol(torch.float32))
+        buffers.append(workspace.buffer.data_ptr())
+    assert buffers[0] == buffers[1] and buffers[2] == buffers[3]  # reused while it fits
+    assert workspace.buffer.numel() == 4 * 4 * 4 * 17  # grown for the large call: batch*heads*splits*(16+1)
 
 
 DTYPE_CASES = [
@@ -162,15 +191,21 @@ def test_decode_reads_only_the_keys_it_attends(window):
         torch.testing.assert_close(got, expected, **_tol(torch.float32))
 
 
-def test_split_heuristic():
+def test_split_count_depends_on_the_batch_bucket_only():
+    """NUM_SPLITS is a constexpr: it comes from the batch's bucket and the GPU, never from context
+    lengths, so growing contexts compile nothing new; it is always one of SPLIT_CHOICES."""
     sms = 132
-    assert choose_num_splits(batch=256, kv_heads=8, max_context_len=32768, num_sms=sms) == 1  # grid already full
-    assert choose_num_splits(batch=1, kv_heads=8, max_context_len=200, num_sms=sms) == 1  # too short to split
-    long_one = choose_num_splits(batch=1, kv_heads=8, max_context_len=8192, num_sms=sms)
-    assert long_one == 32 == MAX_SPLITS  # 8192 // 256 keys, and 33 wanted to fill 264 program slots
-    assert choose_num_splits(batch=1, kv_heads=8, max_context_len=1024, num_sms=sms) == 4  # >= 256 keys per split
-    assert choose_num_splits(batch=4, kv_heads=8, max_context_len=8192, num_sms=sms) == 9  # ceil(264 / 32)
-    assert choose_num_splits(batch=1, kv_heads=1, max_context_len=10 ** 6, num_sms=sms) == MAX_SPLITS
+    assert choose_num_splits(batch=256, kv_heads=8, num_sms=sms) == 1  # grid already full
+    assert choose_num_splits(batch=1, kv_heads=8, num_sms=sms) == MAX_SPLITS == 32  # 33 wanted, capped
+    assert choose_num_splits(batch=4, kv_heads=8, num_sms=sms) == 8  # ceil(264 / 32) = 9, down to a power of two
+    assert choose_num_splits(batch=3, kv_heads=8, num_sms=sms) == 8  # bucket 4
+    assert choose_num_splits(batch=1, kv_heads=1, num_sms=sms) == MAX_SPLITS
+    for sms in (1, 46, 108, 132, 142):
+        for kv_heads in (1, 2, 4, 8, 16):
+            for batch in range(1, 300):
+                splits = choose_num_splits(batch, kv_heads, sms)
+                assert splits in SPLIT_CHOICES
+                assert splits == choose_num_splits(batch_bucket(batch), kv_heads, sms)
 
 
 def _prefill_case(contexts, chunks, heads, kv_heads, head_dim, block_size, q_dtype, kv_dtype, seed):

@@ -104,3 +104,25 @@ def test_triton_on_cpu_needs_the_interpreter(tiny_models, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(LlmoptError, match="TRITON_INTERPRET=1"):
         load(str(tiny_models["llama"]), device="cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE != "cuda", reason="bf16 needs CUDA: the interpreter's bf16 tl.dot is wrong")
+def test_bfloat16_on_the_triton_backend(tiny_models, monkeypatch):
+    """bf16, what a CUDA model computes in by default: the Triton backend against the reference, both in
+    bf16. bf16 rounding moves log-probabilities by ~1e-2, more than a tiny random model's top-2 gaps, so
+    the first token's log-probabilities are compared (to 0.05 nats), not whole greedy sequences."""
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=5)
+    prompts = tiny_prompts(4, seed=4)
+    outs = {}
+    for backend in ("triton", "reference"):
+        loaded = load_on(backend, tiny_models["llama"], monkeypatch, dtype="bfloat16")
+        assert next(loaded.model.parameters()).dtype == torch.bfloat16
+        outs[backend] = [o.outputs[0] for o in LLM(loaded, **CONFIGS["prefix-caching"]).generate(prompts, params)]
+    for got, want in zip(outs["triton"], outs["reference"]):
+        assert len(got.token_ids) == 8
+        assert all(torch.isfinite(torch.tensor(list(lp.values()))).all() for lp in got.logprobs)
+        first_got, first_want = got.logprobs[0], want.logprobs[0]
+        shared = set(first_got) & set(first_want)
+        assert len(shared) >= 3, (first_got, first_want)
+        assert max(abs(first_got[t] - first_want[t]) for t in shared) < 0.05, (first_got, first_want)

@@ -62,14 +62,16 @@ def bench_decode_cuda(timer: CallTimer, batches: list[int], context: int, copy_g
         if os.environ.get("TRITON_INTERPRET") == "1":  # interpreter timings say nothing about the kernel
             runs.append(KernelRun(skipped="TRITON_INTERPRET=1", **common))
             continue
-        from llmopt.kernels.triton_paged_attention import paged_decode_attention
+        from llmopt.kernels.triton_paged_attention import DecodeWorkspace, paged_decode_attention
 
         q, k, v, tables, lens = _inputs(batch, context, LLAMA3_8B_HEADS, torch.bfloat16, device)
         tables, lens = tables.to(torch.int32), lens.to(torch.int32)
         scale = LLAMA3_8B_HEADS[2] ** -0.5
 
+        workspace = DecodeWorkspace()  # as the runtime keeps one: no allocation inside the timed call
+
         def triton_call():
-            return paged_decode_attention(q, k, v, tables, lens, BLOCK_SIZE, scale, max_context_len=context)
+            return paged_decode_attention(q, k, v, tables, lens, BLOCK_SIZE, scale, workspace=workspace)
 
         n = min(batch, REFERENCE_SEQUENCES)
         ref = pytorch_decode(q[:n].float(), k, v, tables[:n].long(),

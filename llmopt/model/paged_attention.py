@@ -95,6 +95,7 @@ class TritonPagedAttention(PagedAttention):
         from llmopt.kernels import triton_paged_attention  # imports Triton: only once this backend is chosen
 
         self.triton = triton_paged_attention
+        self.decode_workspace = triton_paged_attention.DecodeWorkspace()  # split-KV partials, reused every step
 
     def forward(self, layer_idx, q, k, v, sliding_window, math_dtype=None):
         md = self.metadata
@@ -102,7 +103,7 @@ class TritonPagedAttention(PagedAttention):
         t, n, scale = self.triton, md.num_decodes, q.shape[-1] ** -0.5
         t.write_kv(k_cache, v_cache, md.slot_mapping, k, v)
         decode = (t.paged_decode_attention(q[:n], k_cache, v_cache, md.decode_block_tables, md.decode_lens,
-                                           md.block_size, scale, sliding_window, max_context_len=md.max_decode_len)
+                                           md.block_size, scale, sliding_window, workspace=self.decode_workspace)
                   if n else None)
         if not md.prefills:
             return decode

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from llmopt.core.quantized_weight import QuantizedWeight
+from llmopt.errors import LlmoptError
 from llmopt.model.backends.base import KernelBackend
 from llmopt.model.int4_linear import triton_int4_linear
 from llmopt.model.linear import LinearBase
@@ -20,4 +21,12 @@ class TritonBackend(KernelBackend):
 
     def paged_attention(self, k_caches: torch.Tensor, v_caches: torch.Tensor,
                         query_dtype: torch.dtype) -> PagedAttention:
+        if k_caches.dtype == torch.float8_e4m3fn and k_caches.device.type == "cuda":
+            from llmopt.kernels.triton_write_kv import FP8_MIN_ARCH
+
+            major, minor = torch.cuda.get_device_capability(k_caches.device)
+            if 10 * major + minor < FP8_MIN_ARCH:
+                raise LlmoptError(f"--kv-cache-dtype fp8 needs compute capability {FP8_MIN_ARCH // 10}.{FP8_MIN_ARCH % 10}"
+                                  f" or newer on CUDA (this GPU: {major}.{minor}; Triton has no e4m3 below it); "
+                                  "use --kv-cache-dtype bfloat16 or float16")
         return TritonPagedAttention(k_caches, v_caches)
