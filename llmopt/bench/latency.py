@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable
 
 from llmopt.bench.datasets import make_workload
-from llmopt.bench.engines import EngineOptions, PeerArgs, check_options, gguf_file, isolated
+from llmopt.bench.engines import EngineOptions, device_name, PeerArgs, check_options, gguf_file, isolated
 from llmopt.bench.environment import collect_metadata
 from llmopt.bench.results import results_document
 from llmopt.errors import LlmoptError
@@ -76,7 +76,7 @@ class LatencyRequest:
         """The run's configuration; LlmoptError (exit 2) for a bad value."""
         e = self.engine
         engine = replace(e.engine_config(), max_num_seqs=max(self.batch_size, default=1), enable_prefix_caching=False)
-        options = EngineOptions(dtype=e.dtype, device=e.device, load_format=e.load_format, engine_config=asdict(engine),
+        options = EngineOptions(dtype=e.dtype, device=device_name(e.device), load_format=e.load_format, engine_config=asdict(engine),
                                 gguf=self.peers.gguf, threads=self.peers.threads)
         return LatencyConfig(model=self.model, engines=list(self.engines), batch_sizes=list(self.batch_size),
                              input_len=self.input_len, output_len=self.output_len,

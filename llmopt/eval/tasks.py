@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from llmopt.core import load_tokenizer
+from llmopt.core.device import resolve_device
 from llmopt.core.source import ModelSource
 from llmopt.errors import LlmoptError
 from llmopt.eval import cache
@@ -73,7 +74,7 @@ class ModelRun:
 @dataclass
 class RunOptions:
     dtype: str = "auto"
-    device: str = "cpu"
+    device: str = "auto"  # `core.device.resolve_device`
     load_format: str = "auto"
     engine: dict[str, Any] = field(default_factory=dict)  # EngineConfig fields for HumanEval generation
     use_cache: bool = True
@@ -115,7 +116,9 @@ def run_model(role: str, source: ModelSource, tasks: list[str], data: EvalData, 
               options: RunOptions, base: ModelRun | None = None) -> ModelRun:
     run = ModelRun(role=role, spec=source.spec, source=source)
     model = _LazyModel(source, options, run)
-    identity = cache.model_identity(source, options.dtype, options.device, options.fp32_matmul_precision)
+    # scores depend on where the model runs, not on how that was asked for ("auto" or its resolution)
+    device = str(resolve_device(options.device, make_current=False))
+    identity = cache.model_identity(source, options.dtype, device, options.fp32_matmul_precision)
     cached = role == BASELINE and options.use_cache
     try:
         if "ppl" in tasks or "kld" in tasks:

@@ -9,6 +9,7 @@ import torch
 
 from llmopt.core.config import ModelConfig
 from llmopt.core.convert import DTYPES
+from llmopt.core.device import resolve_device
 from llmopt.core.dummy import DummyWeights
 from llmopt.core.memory import available_memory_bytes
 from llmopt.core.weights import open_weights
@@ -70,7 +71,7 @@ def weight_bytes(config: ModelConfig, itemsize: int, quantized: bool = False) ->
     return (config.num_parameters - projections) * itemsize + int(projections * 0.55)
 
 
-def load(source: ModelSource | str, dtype: str = "auto", device: str = "cpu", int4_kernels: bool = True,
+def load(source: ModelSource | str, dtype: str = "auto", device: str = "auto", int4_kernels: bool = True,
          load_format: str = "auto") -> LoadedModel:
     """Load a model spec onto the kernel backend for its device and dtype (`select_backend`,
     chosen here once). AWQ / GPTQ projections run on that backend's int4 kernel unless
@@ -79,12 +80,7 @@ def load(source: ModelSource | str, dtype: str = "auto", device: str = "cpu", in
     random weights of the model's shape (`core.dummy`) instead of reading any."""
     if isinstance(source, str):
         source = resolve(source)
-    try:
-        torch_device = torch.device(device)
-    except RuntimeError:
-        raise LlmoptError(f"unknown device {device!r}") from None
-    if torch_device.type == "cuda" and not torch.cuda.is_available():
-        raise LlmoptError("device 'cuda' requested but CUDA is not available on this machine")
+    torch_device = resolve_device(device)
     config = source.config
     if load_format not in LOAD_FORMATS:
         raise LlmoptError(f"unknown load format {load_format!r}; choose one of: {', '.join(LOAD_FORMATS)}")

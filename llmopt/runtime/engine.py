@@ -196,7 +196,7 @@ class LLMEngine(EngineFrontend):
         return draft
 
     @classmethod
-    def from_spec(cls, model: str = "default", dtype: str = "auto", device: str = "cpu",
+    def from_spec(cls, model: str = "default", dtype: str = "auto", device: str = "auto",
                   engine_config: EngineConfig | None = None, load_format: str = "auto",
                   **overrides: Any) -> "LLMEngine":
         """`engine_config` (default: EngineConfig()) with `overrides` of its fields, e.g. num_kv_blocks=64."""

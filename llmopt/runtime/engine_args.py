@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any, Optional
 
+from llmopt.core.device import DEVICE_HELP
 from llmopt.errors import LlmoptError
 from llmopt.runtime.config import EngineConfig, engine_option, parse_bytes
 
@@ -27,7 +28,7 @@ class EngineArgs(EngineConfig):
 
     kv_cache_memory: Optional[str] = engine_option(None, "KV pool size, e.g. 2GiB (CPU default: 10% of free RAM).")
     dtype: str = engine_option("auto", "auto, float32, bfloat16 or float16")
-    device: str = engine_option("cpu", "cpu, cuda or cuda:N")
+    device: str = engine_option("auto", DEVICE_HELP)
     load_format: str = engine_option(
         "auto", "auto: the checkpoint's weights; dummy: random weights of the model's shape, nothing read "
         "(a shipped architecture such as llama-3-8b works as the model).", choices=("auto", "dummy"))
