@@ -46,6 +46,7 @@ class EngineOptions:
     dtype: str = "auto"
     device: str = "auto"
     load_format: str = "auto"
+    quantization: str | None = None  # with load_format "dummy": random packed int4 weights of this format
     engine_config: dict[str, Any] = field(default_factory=dict)  # llmopt's EngineConfig fields
     hf_batch_size: int = 16
     hf_max_requests: int | None = 8  # None: every request
@@ -156,7 +157,8 @@ def _run_llmopt(spec: str, requests: list[BenchRequest], options: EngineOptions)
     from llmopt.runtime.llm import LLM
 
     start = time.perf_counter()
-    loaded = load(spec, dtype=options.dtype, device=options.device, load_format=options.load_format)
+    loaded = load(spec, dtype=options.dtype, device=options.device, load_format=options.load_format,
+                  quantization=options.quantization)
     llm = LLM(loaded, **options.engine_config)
     llm.generate([requests[0].prompt_token_ids], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
     llm.engine.kv.reset_prefix_cache()  # the warm-up request must not give the timed run a cached prefix

@@ -76,7 +76,8 @@ class LatencyRequest:
         """The run's configuration; LlmoptError (exit 2) for a bad value."""
         e = self.engine
         engine = replace(e.engine_config(), max_num_seqs=max(self.batch_size, default=1), enable_prefix_caching=False)
-        options = EngineOptions(dtype=e.dtype, device=device_name(e.device), load_format=e.load_format, engine_config=asdict(engine),
+        options = EngineOptions(dtype=e.dtype, device=device_name(e.device), load_format=e.load_format,
+                                quantization=e.quantization, engine_config=asdict(engine),
                                 gguf=self.peers.gguf, threads=self.peers.threads)
         return LatencyConfig(model=self.model, engines=list(self.engines), batch_sizes=list(self.batch_size),
                              input_len=self.input_len, output_len=self.output_len,
@@ -168,7 +169,8 @@ def _llmopt_measurer(config: LatencyConfig) -> _Measurer:
     from llmopt.runtime.engine import LLMEngine
 
     opts = config.options
-    loaded = load(config.model, dtype=opts.dtype, device=opts.device, load_format=opts.load_format)
+    loaded = load(config.model, dtype=opts.dtype, device=opts.device, load_format=opts.load_format,
+                  quantization=opts.quantization)
     engine_config = dict(opts.engine_config, max_num_seqs=max(config.batch_sizes), enable_prefix_caching=False)
     engine = LLMEngine(loaded, EngineConfig(**engine_config))
     params = SamplingParams(max_tokens=config.output_len, temperature=0, ignore_eos=True)

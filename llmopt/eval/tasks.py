@@ -76,6 +76,7 @@ class RunOptions:
     dtype: str = "auto"
     device: str = "auto"  # `core.device.resolve_device`
     load_format: str = "auto"
+    quantization: str | None = None  # with load_format "dummy": random packed int4 weights of this format
     engine: dict[str, Any] = field(default_factory=dict)  # EngineConfig fields for HumanEval generation
     use_cache: bool = True
     sandbox: str = "bwrap"  # HumanEval's sandbox mode (eval/sandbox/runner.py: SANDBOX, or UNSAFE when asked)
@@ -99,7 +100,7 @@ class _LazyModel:
 
             start = time.perf_counter()
             self.loaded = load(self.source, dtype=self.options.dtype, device=self.options.device,
-                               load_format=self.options.load_format)
+                               load_format=self.options.load_format, quantization=self.options.quantization)
             self.loaded.model.use_fp32_matmul_precision(self.options.fp32_matmul_precision)
             self.run.seconds["load"] = round(time.perf_counter() - start, 2)
             log.info("%s %s loaded in %.1f s", self.run.role, self.source.spec, self.run.seconds["load"])
