@@ -110,3 +110,10 @@ def test_generate_runs_a_dummy_int4_model(tiny_models):
 def test_quantization_must_match_a_real_checkpoint(tiny_models):
     assert_usage_error(["generate", str(tiny_models["llama"]), "-p", "hi", "--quantization", "awq"],
                        "--quantization awq", "not quantized", "--load-format dummy")
+
+
+def test_serve_takes_quantization_on_llmopt_and_vllm_only(tiny_models):
+    assert_usage_error(["serve", str(tiny_models["llama"]), "--engine", "llama.cpp", "--quantization", "awq"],
+                       "--quantization applies to --engine llmopt and vllm")
+    assert_usage_error(["serve", str(tiny_models["llama"]), "--tensor-parallel-size", "2"],
+                       "--tensor-parallel-size applies to --engine vllm only")
