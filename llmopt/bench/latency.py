@@ -99,7 +99,7 @@ def run_latency(config: LatencyConfig, progress: Callable[[str], None] | None = 
     check_config(config)
     if progress:
         progress("measuring memory bandwidth")
-    bandwidth = measure_read_bandwidth(config.options.device)
+    bandwidth = measure_read_bandwidth(device_name(config.options.device))
     runs = []
     for engine in config.engines:
         sizes = config.batch_sizes if engine == "llmopt" else [1]
