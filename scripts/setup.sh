@@ -19,14 +19,16 @@ elif command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
 else
   echo "bubblewrap: not installed and no apt-get as root here: install it (e.g. apt-get install bubblewrap) for HumanEval"
 fi
+. scripts/torch_env.sh
 if [ ! -x .venv/bin/python ]; then
-  "$PYTHON" -m venv .venv
+  # where $PYTHON already has a CUDA build of torch, the venv sees it rather than installing another
+  "$PYTHON" -m venv $(venv_flags "$PYTHON") .venv
 fi
 . .venv/bin/activate
 pip_install() { python -m pip install --quiet --disable-pip-version-check "$@"; }
-# torch first, pinned: a bare `torch` requirement would pull a multi-GB CUDA build where a
-# CPU wheel of this version is available locally.
-python -c "import torch" 2>/dev/null || pip_install "torch==${TORCH_VERSION:-2.13.0}"
+# torch first: an installed CUDA build is kept; otherwise the pinned version (a bare `torch`
+# requirement would pull a multi-GB CUDA build where a CPU wheel of this version is available locally).
+ensure_torch
 # llama-cpp-python (test extras) compiles llama.cpp. Its default build is -march=native: on an
 # Intel CPU with AMX that compiles in ggml's AMX matmul, which segfaults in batched prompt
 # evaluation on some such machines (ggml-org/llama.cpp#20824), and each CPU gets its own

@@ -141,3 +141,51 @@ def test_grammar_mask_applies_to_its_row_only_and_logprobs_stay_finite():
     [res] = sample_batch(logits[:1], [SampleRequest(SamplingParams(temperature=0, logprobs=0), None, [], [], [2],
                                                     allowed_ids=torch.tensor([False, False, True, False]))])
     assert res.token_id == 2 and math.isfinite(res.logprobs[2])
+
+
+class _Operands:
+    """Every aten op run inside the block, with its tensor operands (a TorchDispatchMode)."""
+
+    def __init__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils._pytree import tree_leaves
+
+        seen = self.seen = []
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                kwargs = kwargs or {}
+                seen.append((func, [a for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]))
+                return func(*args, **kwargs)
+
+        self.mode = Mode()
+
+    def __enter__(self):
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self.mode.__exit__(*exc)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_tensor_the_sampler_combines_is_on_the_logits_device_and_dtype(dtype):
+    """The penalties and blocked tokens on logits on torch's "meta" device, standing in for CUDA (a
+    meta tensor runs every op without data, and, unlike CUDA, accepts CPU operands silently: the
+    recorded operands show them). Apart from the copies that bring token ids over, no op may take
+    a CPU tensor beside the logits (CUDA raises on one), nor a floating operand of another dtype."""
+    from llmopt.runtime.sampler import SampleRequest, _prepare_row
+
+    logits = torch.zeros(16, dtype=dtype, device="meta")
+    params = SamplingParams(temperature=1.0, repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.25)
+    request = SampleRequest(params, None, prompt_ids=[1, 2, 3], output_ids=[3, 3, 5, 7], blocked_ids=[0, 9])
+    copies = {torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default, torch.ops.aten.lift_fresh.default}
+    with _Operands() as ops:
+        sampled, scored = _prepare_row(logits, request)
+    assert sampled.device.type == "meta" and sampled.dtype == dtype and scored.dtype == dtype
+    combined = [(func, t) for func, tensors in ops.seen if func not in copies for t in tensors]
+    assert len({func for func, _ in combined}) >= 5  # index, where, index_put, index_add, sub: the steps ran
+    off_device = [str(func) for func, t in combined if t.device.type != "meta" and t.dim() > 0]
+    assert not off_device, off_device
+    other_dtype = [str(func) for func, t in combined if t.is_floating_point() and t.dtype != dtype]
+    assert not other_dtype, other_dtype

@@ -44,8 +44,9 @@ class PeerArgs:
 @dataclass
 class EngineOptions:
     dtype: str = "auto"
-    device: str = "cpu"
+    device: str = "auto"
     load_format: str = "auto"
+    quantization: str | None = None  # with load_format "dummy": random packed int4 weights of this format
     engine_config: dict[str, Any] = field(default_factory=dict)  # llmopt's EngineConfig fields
     hf_batch_size: int = 16
     hf_max_requests: int | None = 8  # None: every request
@@ -78,18 +79,21 @@ class EngineResult:
         return d
 
 
+def device_name(name: str) -> str:
+    """The device a `--device` value means here, as the name every engine's process is given ("auto" resolved
+    once, in the parent, so that results say where the engines ran)."""
+    from llmopt.core.device import resolve_device
+
+    return str(resolve_device(name, make_current=False))
+
+
 def check_options(options: EngineOptions) -> None:
     """Refuse options every engine would fail on, before any process starts (LlmoptError)."""
-    import torch
-
+    from llmopt.core.device import resolve_device
     from llmopt.loader import resolve_dtype
     from llmopt.errors import LlmoptError
 
-    try:
-        device = torch.device(options.device)
-    except RuntimeError:
-        raise LlmoptError(f"unknown device {options.device!r}") from None
-    resolve_dtype(options.dtype, device)
+    resolve_dtype(options.dtype, resolve_device(options.device, make_current=False))
     if options.hf_batch_size < 1:
         raise LlmoptError(f"--hf-batch-size must be at least 1, got {options.hf_batch_size}")
     if options.hf_max_requests is not None and options.hf_max_requests < 0:
@@ -153,7 +157,8 @@ def _run_llmopt(spec: str, requests: list[BenchRequest], options: EngineOptions)
     from llmopt.runtime.llm import LLM
 
     start = time.perf_counter()
-    loaded = load(spec, dtype=options.dtype, device=options.device, load_format=options.load_format)
+    loaded = load(spec, dtype=options.dtype, device=options.device, load_format=options.load_format,
+                  quantization=options.quantization)
     llm = LLM(loaded, **options.engine_config)
     llm.generate([requests[0].prompt_token_ids], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
     llm.engine.kv.reset_prefix_cache()  # the warm-up request must not give the timed run a cached prefix
@@ -181,14 +186,14 @@ def describe_weights(loaded) -> str:
 
 def _hf_model(spec: str, options: EngineOptions):
     from llmopt.bench.hf_baselines import load_hf_model
-    import torch
-
     from llmopt.core import resolve
+    from llmopt.core.device import resolve_device
     from llmopt.loader import resolve_dtype
 
     folder = resolve(spec).path
-    dtype = resolve_dtype(options.dtype, torch.device(options.device))
-    model = load_hf_model(folder, dtype=dtype, device=options.device)
+    device = resolve_device(options.device)
+    dtype = resolve_dtype(options.dtype, device)
+    model = load_hf_model(folder, dtype=dtype, device=str(device))
     pad = model.generation_config.pad_token_id
     if pad is None:
         eos = model.generation_config.eos_token_id

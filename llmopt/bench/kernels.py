@@ -28,6 +28,7 @@ from llmopt.bench.environment import collect_metadata
 from llmopt.bench.kernel_run import KernelRun
 from llmopt.bench.kernel_timing import CallTimer, copy_bandwidth, synchronize
 from llmopt.bench.results import results_document
+from llmopt.core.device import resolve_device
 from llmopt.errors import LlmoptError
 
 KERNELS = ("int4_matmul", "paged_decode")
@@ -72,17 +73,7 @@ def parse_kernels(text: str) -> list[str]:
 
 def resolve(config: KernelsConfig) -> tuple[torch.device, KernelsConfig]:
     """The device and the config with every default filled in; LlmoptError for bad values."""
-    name = config.device
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise LlmoptError(f"--device takes auto, cpu, cuda or cuda:N; not {config.device!r}") from None
-    if device.type not in ("cpu", "cuda"):
-        raise LlmoptError(f"--device takes auto, cpu, cuda or cuda:N; not {config.device!r}")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise LlmoptError("--device cuda: CUDA is not available here")
+    device = resolve_device(config.device)
     defaults = CUDA_DEFAULTS if device.type == "cuda" else CPU_DEFAULTS
     filled = KernelsConfig(**{k: (defaults[k] if v is None and k in defaults else v)
                               for k, v in asdict(config).items()})

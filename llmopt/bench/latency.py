@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable
 
 from llmopt.bench.datasets import make_workload
-from llmopt.bench.engines import EngineOptions, PeerArgs, check_options, gguf_file, isolated
+from llmopt.bench.engines import EngineOptions, device_name, PeerArgs, check_options, gguf_file, isolated
 from llmopt.bench.environment import collect_metadata
 from llmopt.bench.results import results_document
 from llmopt.errors import LlmoptError
@@ -76,7 +76,8 @@ class LatencyRequest:
         """The run's configuration; LlmoptError (exit 2) for a bad value."""
         e = self.engine
         engine = replace(e.engine_config(), max_num_seqs=max(self.batch_size, default=1), enable_prefix_caching=False)
-        options = EngineOptions(dtype=e.dtype, device=e.device, load_format=e.load_format, engine_config=asdict(engine),
+        options = EngineOptions(dtype=e.dtype, device=device_name(e.device), load_format=e.load_format,
+                                quantization=e.quantization, engine_config=asdict(engine),
                                 gguf=self.peers.gguf, threads=self.peers.threads)
         return LatencyConfig(model=self.model, engines=list(self.engines), batch_sizes=list(self.batch_size),
                              input_len=self.input_len, output_len=self.output_len,
@@ -98,7 +99,7 @@ def run_latency(config: LatencyConfig, progress: Callable[[str], None] | None = 
     check_config(config)
     if progress:
         progress("measuring memory bandwidth")
-    bandwidth = measure_read_bandwidth(config.options.device)
+    bandwidth = measure_read_bandwidth(device_name(config.options.device))
     runs = []
     for engine in config.engines:
         sizes = config.batch_sizes if engine == "llmopt" else [1]
@@ -168,7 +169,8 @@ def _llmopt_measurer(config: LatencyConfig) -> _Measurer:
     from llmopt.runtime.engine import LLMEngine
 
     opts = config.options
-    loaded = load(config.model, dtype=opts.dtype, device=opts.device, load_format=opts.load_format)
+    loaded = load(config.model, dtype=opts.dtype, device=opts.device, load_format=opts.load_format,
+                  quantization=opts.quantization)
     engine_config = dict(opts.engine_config, max_num_seqs=max(config.batch_sizes), enable_prefix_caching=False)
     engine = LLMEngine(loaded, EngineConfig(**engine_config))
     params = SamplingParams(max_tokens=config.output_len, temperature=0, ignore_eos=True)

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
 from llmopt.bench.datasets import BenchRequest, WorkloadArgs, make_workload
-from llmopt.bench.engines import ENGINES, EngineOptions, EngineResult, PeerArgs, check_options, run_isolated
+from llmopt.bench.engines import ENGINES, device_name, EngineOptions, EngineResult, PeerArgs, check_options, run_isolated
 from llmopt.bench.environment import collect_metadata
 from llmopt.bench.results import results_document
 from llmopt.core import load_tokenizer
@@ -53,7 +53,8 @@ class ThroughputRequest:
     def config(self) -> ThroughputConfig:
         """The run's configuration; LlmoptError (exit 2) for a bad value."""
         e, w = self.engine, self.workload
-        options = EngineOptions(dtype=e.dtype, device=e.device, load_format=e.load_format, engine_config=asdict(e.engine_config()),
+        options = EngineOptions(dtype=e.dtype, device=device_name(e.device), load_format=e.load_format,
+                                quantization=e.quantization, engine_config=asdict(e.engine_config()),
                                 hf_batch_size=self.hf_batch_size, hf_max_requests=self.hf_max_requests or None,
                                 gguf=self.peers.gguf, threads=self.peers.threads)
         return ThroughputConfig(model=self.model, engines=parse_engines(self.engines), dataset=w.dataset,

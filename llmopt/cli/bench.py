@@ -14,6 +14,7 @@ from llmopt.cli.common import console, err_console, handles_errors, print_json
 from llmopt.bench.latency import LatencyRequest
 from llmopt.bench.throughput import ThroughputRequest
 from llmopt.cli.options import request_options
+from llmopt.core.device import DEVICE_HELP
 
 app = typer.Typer(help="Benchmarks: engines side by side, online load, latency, kernels, comparisons.",
                   no_args_is_help=True)
@@ -107,7 +108,7 @@ app.command("latency")(latency)
 def kernels(
     kernels_: str = typer.Option("int4_matmul,paged_decode", "--kernels",
                                  help="Comma-separated: int4_matmul, paged_decode."),
-    device: str = typer.Option("auto", "--device", help="auto (CUDA if present), cpu, cuda or cuda:N."),
+    device: str = typer.Option("auto", "--device", help=DEVICE_HELP + "."),
     rows: str | None = typer.Option(None, "--rows",
                                     help="int4 matmul: comma-separated M (CUDA 1,2,...,128; CPU 1,4,16,64)."),
     batch: str | None = typer.Option(None, "--batch", help="Decode attention: comma-separated batch sizes (8,32)."),

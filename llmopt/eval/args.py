@@ -154,6 +154,7 @@ class EvalArgs:
                                     samples_file=self.samples is not None)
         # results of random weights are not the model's: never cached under its spec
         options = RunOptions(dtype=self.engine.dtype, device=self.engine.device, load_format=self.engine.load_format,
+                             quantization=self.engine.quantization,
                              engine=asdict(self.engine.engine_config()),
                              use_cache=self.use_cache and self.engine.load_format == "auto",
                              add_bos=self.add_bos, sandbox=UNSAFE if self.unsafe_sandbox else SANDBOX)

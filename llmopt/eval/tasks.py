@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from llmopt.core import load_tokenizer
+from llmopt.core.device import resolve_device
 from llmopt.core.source import ModelSource
 from llmopt.errors import LlmoptError
 from llmopt.eval import cache
@@ -73,8 +74,9 @@ class ModelRun:
 @dataclass
 class RunOptions:
     dtype: str = "auto"
-    device: str = "cpu"
+    device: str = "auto"  # `core.device.resolve_device`
     load_format: str = "auto"
+    quantization: str | None = None  # with load_format "dummy": random packed int4 weights of this format
     engine: dict[str, Any] = field(default_factory=dict)  # EngineConfig fields for HumanEval generation
     use_cache: bool = True
     sandbox: str = "bwrap"  # HumanEval's sandbox mode (eval/sandbox/runner.py: SANDBOX, or UNSAFE when asked)
@@ -98,7 +100,7 @@ class _LazyModel:
 
             start = time.perf_counter()
             self.loaded = load(self.source, dtype=self.options.dtype, device=self.options.device,
-                               load_format=self.options.load_format)
+                               load_format=self.options.load_format, quantization=self.options.quantization)
             self.loaded.model.use_fp32_matmul_precision(self.options.fp32_matmul_precision)
             self.run.seconds["load"] = round(time.perf_counter() - start, 2)
             log.info("%s %s loaded in %.1f s", self.run.role, self.source.spec, self.run.seconds["load"])
@@ -115,7 +117,9 @@ def run_model(role: str, source: ModelSource, tasks: list[str], data: EvalData, 
               options: RunOptions, base: ModelRun | None = None) -> ModelRun:
     run = ModelRun(role=role, spec=source.spec, source=source)
     model = _LazyModel(source, options, run)
-    identity = cache.model_identity(source, options.dtype, options.device, options.fp32_matmul_precision)
+    # scores depend on where the model runs, not on how that was asked for ("auto" or its resolution)
+    device = str(resolve_device(options.device, make_current=False))
+    identity = cache.model_identity(source, options.dtype, device, options.fp32_matmul_precision)
     cached = role == BASELINE and options.use_cache
     try:
         if "ppl" in tasks or "kld" in tasks:

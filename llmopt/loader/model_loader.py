@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from llmopt.core.config import ModelConfig
 from llmopt.core.convert import DTYPES
-from llmopt.core.dummy import DummyWeights
+from llmopt.core.device import resolve_device
+from llmopt.core.dummy import DummyWeights, dummy_quantization
 from llmopt.core.memory import available_memory_bytes
 from llmopt.core.weights import open_weights
 from llmopt.core.source import LOAD_FORMATS, ModelSource, QuantizationInfo, load_tokenizer, resolve
@@ -70,26 +71,31 @@ def weight_bytes(config: ModelConfig, itemsize: int, quantized: bool = False) ->
     return (config.num_parameters - projections) * itemsize + int(projections * 0.55)
 
 
-def load(source: ModelSource | str, dtype: str = "auto", device: str = "cpu", int4_kernels: bool = True,
-         load_format: str = "auto") -> LoadedModel:
+def load(source: ModelSource | str, dtype: str = "auto", device: str = "auto", int4_kernels: bool = True,
+         load_format: str = "auto", quantization: str | None = None) -> LoadedModel:
     """Load a model spec onto the kernel backend for its device and dtype (`select_backend`,
     chosen here once). AWQ / GPTQ projections run on that backend's int4 kernel unless
     `int4_kernels` is False: then every layer holds dense dequantized weights (what code
     that reads or rewrites weights, such as the quantizer, needs). `load_format` "dummy" gives
-    random weights of the model's shape (`core.dummy`) instead of reading any."""
+    random weights of the model's shape (`core.dummy`) instead of reading any; with `quantization`
+    ("awq" / "gptq", vLLM's flag) its projections are random packed int4 tensors of that format,
+    loaded as a real checkpoint's are. With a checkpoint, `quantization` must name its own method."""
     if isinstance(source, str):
         source = resolve(source)
-    try:
-        torch_device = torch.device(device)
-    except RuntimeError:
-        raise LlmoptError(f"unknown device {device!r}") from None
-    if torch_device.type == "cuda" and not torch.cuda.is_available():
-        raise LlmoptError("device 'cuda' requested but CUDA is not available on this machine")
+    torch_device = resolve_device(device)
     config = source.config
     if load_format not in LOAD_FORMATS:
         raise LlmoptError(f"unknown load format {load_format!r}; choose one of: {', '.join(LOAD_FORMATS)}")
+    if quantization is not None and load_format != "dummy":
+        held = source.quantization.method if source.quantization is not None else None
+        if quantization != held:
+            raise LlmoptError(f"--quantization {quantization}: {source.spec} is {held or 'not quantized'} (with a "
+                              f"checkpoint the flag names its own method; random {quantization} weights: "
+                              "--load-format dummy)")
     if load_format == "dummy":
-        weights, tokenizer = DummyWeights(config), load_tokenizer(source)
+        # the source says what the weights are: random ones, dense or packed as asked
+        source = replace(source, quantization=dummy_quantization(config, quantization) if quantization else None)
+        weights, tokenizer = DummyWeights(config, quantization=source.quantization), load_tokenizer(source)
     elif source.kind == "gguf":
         from llmopt.core.gguf_file import read_gguf
 
@@ -99,7 +105,7 @@ def load(source: ModelSource | str, dtype: str = "auto", device: str = "cpu", in
         weights, tokenizer = open_weights(source), load_tokenizer(source)
     tokenizer.extra_eos_token_ids = sorted(set(tokenizer.extra_eos_token_ids) | set(config.eos_token_ids))
     # int4 projections are held packed; FP8 ones are dequantized to the compute dtype at load
-    quantized = source.quantization is not None and load_format != "dummy" and (
+    quantized = source.quantization is not None and (
         source.quantization.method in ("awq", "gptq")
         or (source.quantization.method == "compressed-tensors" and source.quantization.bits == 4))
     torch_dtype = resolve_dtype(dtype, torch_device, config, quantized)
@@ -107,8 +113,7 @@ def load(source: ModelSource | str, dtype: str = "auto", device: str = "cpu", in
         backend = select_backend(torch_device, torch_dtype)
     except ValueError as exc:  # a bad LLMOPT_KERNELS
         raise LlmoptError(str(exc)) from None
-    quant = None if load_format == "dummy" else source.quantization
     model = build_model(config, weights, torch_dtype, torch_device, where=str(source.path), backend=backend,
-                        quant=quant, int4_kernels=int4_kernels)
+                        quant=source.quantization, int4_kernels=int4_kernels)
     return LoadedModel(source=source, config=config, tokenizer=tokenizer, model=model,
                        dtype=torch_dtype, device=torch_device)

@@ -22,17 +22,17 @@ class StepMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] where each new token's K/V go
     num_decodes: int  # the first num_decodes tokens are single-token sequences
     decode_block_tables: torch.Tensor | None  # [num_decodes, width] padded block tables
-    decode_lens: torch.Tensor | None  # [num_decodes] keys per decode (incl. the new token)
+    decode_lens: torch.Tensor | None  # [num_decodes] keys per decode (incl. the new token), tables' dtype
     block_size: int = 16
     dtype: torch.dtype = torch.float32  # the model's (queries', masks') dtype, not necessarily the cache's
-    # per prompt chunk: (start, end) in the batch, its key slots, tokens already cached
-    prefills: list[tuple[int, int, torch.Tensor, int]] = field(default_factory=list)
+    # per prompt chunk: (start, end) in the batch, its key slots (None where the backend reads the
+    # prefill tables below instead: `needs_prefill_tables`), tokens already cached
+    prefills: list[tuple[int, int, torch.Tensor | None, int]] = field(default_factory=list)
     # the prompt chunks as the Triton prefill kernel takes them (after the decodes in the batch):
     # [chunks, width] int32 block tables, [chunks + 1] int32 boundaries, [chunks] cached tokens
     prefill_block_tables: torch.Tensor | None = None
     prefill_cu_seqlens: torch.Tensor | None = None
     prefill_context_lens: torch.Tensor | None = None
-    max_decode_len: int = 0  # max(decode_lens), known on the host (saves the kernels a device sync)
     max_prefill_len: int = 0  # the longest prompt chunk
     _masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
 
@@ -52,7 +52,7 @@ class PagedAttention(AttentionBackend):
     PyTorch decode.
     """
 
-    block_table_dtype = torch.int64  # what the C++ decode kernel indexes with
+    block_table_dtype = torch.int64  # of block tables and context lengths: what the C++ decode kernel reads
     needs_prefill_tables = False  # whether the step's prompt chunks come as `StepMetadata.prefill_*` tables
 
     def __init__(self, k_caches: torch.Tensor, v_caches: torch.Tensor, cpu_decode: Callable | None = None):

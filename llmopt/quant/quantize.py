@@ -29,6 +29,7 @@ from llmopt.core import resolve
 from llmopt.core.atomic import atomic_dir, atomic_file
 from llmopt.core.config import ModelConfig
 from llmopt.core.convert import DTYPES, write_hf_files
+from llmopt.core.device import DEVICE_HELP, resolve_device
 from llmopt.core.memory import release_freed_memory
 from llmopt.core.compressed_tensors import FP8_SCHEMES, fp8_config
 from llmopt.core.quant_formats import quantization_config
@@ -83,7 +84,7 @@ class QuantizeRequest:
     gguf_type: str = option("Q4_K_M", "F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K_M, Q5_K_M, Q6_K")
     quantize_lm_head: bool = option(False, "Quantize the output projection too.", names=("--quantize-lm-head",))
     overwrite: bool = option(False, "Replace OUTPUT if it exists.", names=("--overwrite",), recipe=None)
-    device: str = option("cpu", "cpu, cuda or cuda:N")
+    device: str = option("auto", DEVICE_HELP)
     dtype: str = option("float32", "Compute dtype of the calibration forward: float32, bfloat16 or float16 "
                         "(bfloat16 halves the layer and activation memory; float32 follows the model's math exactly).",
                         choices=tuple(DTYPES))
@@ -206,7 +207,7 @@ def quantize(req: QuantizeRequest, on_layer: Callable[[int, int], None] | None =
         what = source.quantization.details.get("file_type") or source.quantization.method.upper()
         raise LlmoptError(f"{req.model} is already quantized ({what}); quantize from an unquantized model")
     config, fmt, scheme = source.config, req.resolved_format(), req.scheme()
-    dtype, device = DTYPES[req.dtype], _device(req.device)
+    dtype, device = DTYPES[req.dtype], resolve_device(req.device)
     if req.method not in ("gguf", "fp8"):
         check_shapes(config, req.group_size, req.quantize_lm_head)
     calibrated = req.calibrated()
@@ -275,7 +276,7 @@ def quantize(req: QuantizeRequest, on_layer: Callable[[int, int], None] | None =
                     "scheme": req.fp8_scheme if req.method == "fp8" else None, "desc_act": req.resolved_desc_act(),
                     "damp_percent": req.damp_percent if req.method == "gptq" else None,
                     "gguf_type": req.gguf_type if fmt == "gguf" else None, "quantize_lm_head": req.quantize_lm_head,
-                    "device": req.device, "dtype": req.dtype},
+                    "device": str(device), "dtype": req.dtype},
         calibration=calib_info, seed=req.seed, wall_seconds=round(time.perf_counter() - start, 3),
         calibration_seconds=round(calib_seconds, 3), quantize_seconds=round(quant_seconds, 3),
         peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
@@ -305,23 +306,13 @@ def _memory_hint(req: QuantizeRequest) -> str:
 def _self_calibration(req: QuantizeRequest, source) -> CalibrationData:
     """`--calib self`: the model writes its calibration text, so it is loaded whole for that
     (and freed before the layers stream)."""
-    loaded = load(source, dtype="float32", device=req.device, int4_kernels=False)
+    loaded = load(source, dtype="float32", device=str(resolve_device(req.device)), int4_kernels=False)
     try:
         return load_calibration("self", loaded, req.num_samples, req.seq_len, req.seed)
     finally:
         del loaded
         gc.collect()
         release_freed_memory()
-
-
-def _device(name: str) -> torch.device:
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise LlmoptError(f"unknown device {name!r}") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise LlmoptError("device 'cuda' requested but CUDA is not available on this machine")
-    return device
 
 
 def hf_state_dict(model) -> dict[str, torch.Tensor]:

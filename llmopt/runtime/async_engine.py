@@ -60,7 +60,7 @@ class AsyncLLM:
         _release_openmp_threads()
 
     @classmethod
-    def from_spec(cls, model: str | LoadedModel = "default", dtype: str = "auto", device: str = "cpu",
+    def from_spec(cls, model: str | LoadedModel = "default", dtype: str = "auto", device: str = "auto",
                   engine_config: EngineConfig | None = None, **overrides: Any) -> "AsyncLLM":
         """`engine_config` (default: EngineConfig()) with `overrides` of its fields, e.g. num_kv_blocks=64."""
         config = replace(engine_config or EngineConfig(), **overrides)

@@ -196,13 +196,14 @@ class LLMEngine(EngineFrontend):
         return draft
 
     @classmethod
-    def from_spec(cls, model: str = "default", dtype: str = "auto", device: str = "cpu",
+    def from_spec(cls, model: str = "default", dtype: str = "auto", device: str = "auto",
                   engine_config: EngineConfig | None = None, load_format: str = "auto",
-                  **overrides: Any) -> "LLMEngine":
+                  quantization: str | None = None, **overrides: Any) -> "LLMEngine":
         """`engine_config` (default: EngineConfig()) with `overrides` of its fields, e.g. num_kv_blocks=64."""
         from llmopt.loader import load
 
-        return cls(load(model, dtype=dtype, device=device, load_format=load_format), replace(engine_config or EngineConfig(), **overrides))
+        loaded = load(model, dtype=dtype, device=device, load_format=load_format, quantization=quantization)
+        return cls(loaded, replace(engine_config or EngineConfig(), **overrides))
 
     def _num_blocks_for_memory(self, block_bytes: int) -> int:
         cfg, device = self.config, self.loaded.device

@@ -2,7 +2,7 @@
 they become the runtime's `EngineConfig`.
 
 `EngineArgs` is an `EngineConfig` whose every declared option (`engine_option`) is a flag, plus
-what only a command line states: the model's dtype and device, the KV pool size as text, and the
+what only a command line states: the model's dtype, device, load format and quantization, the KV pool size as text, and the
 speculative-decoding flags that become vLLM's `speculative_config`. The CLI derives the flags
 (`llmopt.cli.options.request_options`), the recipe schema its engine keys (`section_model`).
 """
@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any, Optional
 
+from llmopt.core.device import DEVICE_HELP
 from llmopt.errors import LlmoptError
 from llmopt.runtime.config import EngineConfig, engine_option, parse_bytes
 
@@ -27,10 +28,14 @@ class EngineArgs(EngineConfig):
 
     kv_cache_memory: Optional[str] = engine_option(None, "KV pool size, e.g. 2GiB (CPU default: 10% of free RAM).")
     dtype: str = engine_option("auto", "auto, float32, bfloat16 or float16")
-    device: str = engine_option("cpu", "cpu, cuda or cuda:N")
+    device: str = engine_option("auto", DEVICE_HELP)
     load_format: str = engine_option(
         "auto", "auto: the checkpoint's weights; dummy: random weights of the model's shape, nothing read "
         "(a shipped architecture such as llama-3-8b works as the model).", choices=("auto", "dummy"))
+    quantization: Optional[str] = engine_option(
+        None, "awq or gptq (vLLM's flag). With --load-format dummy: random int4 weights packed as that format's "
+        "checkpoint, run on the same int4 kernels as a real one; with a checkpoint it must name the checkpoint's "
+        "own method (serve --engine vllm passes any of vLLM's methods on).")
     speculative_model: Optional[str] = engine_option(
         None, "Speculative decoding with this draft model (same tokenizer as the target; a smaller or int4 "
         "checkpoint), e.g. an AWQ folder.")

@@ -94,7 +94,8 @@ def run_generate(args: GenerateArgs) -> GenerateResult:
         from llmopt.runtime.llm import LLM
 
         llm = LLM(load(args.model, dtype=args.engine.dtype, device=args.engine.device,
-                       load_format=args.engine.load_format), engine_config=config)
+                       load_format=args.engine.load_format, quantization=args.engine.quantization),
+                  engine_config=config)
         engine = llm.engine
     use_chat = engine.tokenizer.is_chat if args.chat is None else args.chat
     if args.system and not use_chat:

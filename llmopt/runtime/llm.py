@@ -15,7 +15,7 @@ from llmopt.runtime.sampling_params import SamplingParams
 
 
 class LLM:
-    def __init__(self, model: str | LoadedModel = "default", dtype: str = "auto", device: str = "cpu",
+    def __init__(self, model: str | LoadedModel = "default", dtype: str = "auto", device: str = "auto",
                  engine_config: EngineConfig | None = None, **overrides: Any):
         """`engine_config` (default: EngineConfig()) with `overrides` of its fields, e.g. max_num_seqs=32."""
         config = replace(engine_config or EngineConfig(), **overrides)

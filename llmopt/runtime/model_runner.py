@@ -3,7 +3,10 @@
 The KV cache is one `[num_blocks * block_size, kv_heads, head_dim]` slot array per layer
 for K and one for V, in the model's dtype or a narrower `kv_dtype` (`--kv-cache-dtype`).
 Each step the runner turns the scheduler's (sequence, tokens) list into input ids,
-positions, slot mappings and gather indices, and runs one forward.
+positions, slot mappings and gather indices, built on the CPU and moved to the device in one
+copy per dtype (`step_inputs.to_device`), and runs one forward. Block tables and context
+lengths take the dtype the attention's kernels index with (`block_table_dtype`: int32 for
+Triton's, int64 for the C++ CPU kernel's).
 Sequences with a single new token (decodes) go first in the batch and share one batched
 attention call; prompt chunks follow. Attention is the paged attention the model's kernel
 backend hands out (`KernelBackend.paged_attention`, `llmopt.model.paged_attention`): the
@@ -23,6 +26,7 @@ from llmopt.model.paged_attention import StepMetadata
 from llmopt.runtime.cpu_decode_plan import build_decode_plan, run_decode_plan
 from llmopt.runtime.prompt_scores import PromptScores, ScoredChunk, score_rows
 from llmopt.runtime.sequence import Sequence
+from llmopt.runtime.step_inputs import to_device
 
 
 SCORE_ROWS = 256  # prompt positions per vocabulary projection when scoring a prompt ([256, vocab] fp32 logits)
@@ -72,7 +76,7 @@ class ModelRunner:
         shape = (cfg.num_hidden_layers, num_blocks * block_size, cfg.num_key_value_heads, cfg.head_dim)
         self.attn = model.backend.paged_attention(zeroed(shape, kv_dtype, device), zeroed(shape, kv_dtype, device),
                                                   query_dtype=dtype)
-        self.table_dtype = self.attn.block_table_dtype
+        self.table_dtype = self.attn.block_table_dtype  # of block tables and context lengths alike
         # decode steps on the CPU kernels: all layers in one C++ call (cpu_decode_plan.py)
         self.decode_plan = build_decode_plan(model, kv_dtype) if self.attn.cpu_decode is not None else None
 
@@ -81,7 +85,7 @@ class ModelRunner:
         return [table[p // bs] * bs + p % bs for p in range(start, end)]
 
     def _padded_block_tables(self, block_tables: list[list[int]], lens: torch.Tensor) -> torch.Tensor:
-        """[batch, width] the blocks holding each sequence's first `len` tokens.
+        """[batch, width] the blocks holding each sequence's first `len` tokens (on the CPU).
 
         Rows are padded with their own first block: padded keys are masked, but must still
         be finite numbers (0 * NaN = NaN), and that block is always written.
@@ -91,18 +95,16 @@ class ModelRunner:
         for table, n in zip(block_tables, lens.tolist()):
             used = table[: -(-n // self.block_size)]
             rows.append(used + [used[0]] * (width - len(used)))
-        return torch.tensor(rows, dtype=self.table_dtype, device=self.device)
+        return torch.tensor(rows, dtype=self.table_dtype)
 
-    def _add_prefill_tables(self, md: StepMetadata, prefills: list[tuple[Sequence, int]]) -> None:
-        """The step's prompt chunks as one varlen batch: block tables (padded with their first block),
-        chunk boundaries and cached lengths."""
+    def _prefill_tables(self, prefills: list[tuple[Sequence, int]]) -> dict[str, torch.Tensor]:
+        """The step's prompt chunks as one varlen batch (on the CPU): block tables (padded with their
+        first block), int32 chunk boundaries and cached lengths, under `StepMetadata`'s names."""
         ends = torch.tensor([s.num_computed_tokens + n for s, n in prefills])
-        md.prefill_block_tables = self._padded_block_tables([s.block_table for s, _ in prefills], ends)
         lens = [n for _, n in prefills]
-        md.prefill_cu_seqlens = torch.tensor([0] + lens, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(self.device)
-        md.prefill_context_lens = torch.tensor([s.num_computed_tokens for s, _ in prefills], dtype=torch.int32,
-                                               device=self.device)
-        md.max_prefill_len = max(lens)
+        return {"prefill_block_tables": self._padded_block_tables([s.block_table for s, _ in prefills], ends),
+                "prefill_cu_seqlens": torch.tensor([0] + lens, dtype=torch.int32).cumsum(0, dtype=torch.int32),
+                "prefill_context_lens": torch.tensor([s.num_computed_tokens for s, _ in prefills], dtype=torch.int32)}
 
     @torch.inference_mode()
     def execute(self, scheduled: list[tuple[Sequence, int]], score_prompts: bool = False,
@@ -131,44 +133,65 @@ class ModelRunner:
             ids.append(seq.token_ids[pos])
             positions.append(pos)
             slot_mapping.extend(self._slots(seq, pos, pos + 1))
-        decode_tables = decode_lens = None
+        host: dict[str, torch.Tensor] = {}  # this step's inputs, built on the CPU
+        decode_lens = None
         if decodes:
-            decode_lens = torch.tensor([s.num_computed_tokens + 1 for s, _ in decodes])
-            decode_tables = self._padded_block_tables([s.block_table for s, _ in decodes], decode_lens)
+            decode_lens = torch.tensor([s.num_computed_tokens + 1 for s, _ in decodes], dtype=self.table_dtype)
+            host["decode_lens"] = decode_lens
+            host["decode_block_tables"] = self._padded_block_tables([s.block_table for s, _ in decodes], decode_lens)
             for row, (seq, _) in enumerate(decodes):
                 if seq.num_computed_tokens + 1 == seq.num_tokens:
                     sample_rows.append([row])
                     samplers.append(seq)
 
-        prefill_meta = []
-        for seq, n in prefills:
+        starts = []
+        for i, (seq, n) in enumerate(prefills):
             start, ctx = len(ids), seq.num_computed_tokens
+            starts.append(start)
             drafts = spec_token_ids.get(seq.request_id)
             ids.extend((seq.token_ids[ctx:] + drafts)[:n] if drafts else seq.token_ids[ctx : ctx + n])
             positions.extend(range(ctx, ctx + n))
             slot_mapping.extend(self._slots(seq, ctx, ctx + n))
-            slots = torch.tensor(self._slots(seq, 0, ctx + n), device=self.device)
-            prefill_meta.append((start, start + n, slots, ctx))
+            if not self.attn.needs_prefill_tables:  # the key slots of the whole context, O(context): the
+                # PyTorch path gathers through them; the Triton kernels read the block tables instead
+                host[f"prefill_slots.{i}"] = torch.tensor(self._slots(seq, 0, ctx + n), dtype=torch.long)
             if drafts:
                 sample_rows.append(list(range(start, start + n)))
                 samplers.append(seq)
             elif ctx + n == seq.num_tokens:
                 sample_rows.append([start + n - 1])
                 samplers.append(seq)
+        prompts_done: list[Sequence] = []
+        if score_prompts:  # requests with max_tokens=0 leave sampling: their prompt is all they asked for
+            prompts_done = [seq for seq in samplers if seq.params.max_tokens == 0]
+            keep = [i for i, seq in enumerate(samplers) if seq.params.max_tokens > 0]
+            sample_rows, samplers = [sample_rows[i] for i in keep], [samplers[i] for i in keep]
+        flat_rows = [r for rows in sample_rows for r in rows]
 
+        host["slot_mapping"] = torch.tensor(slot_mapping, dtype=torch.long)
+        host["input_ids"] = torch.tensor(ids, dtype=torch.long)
+        host["positions"] = torch.tensor(positions, dtype=torch.long)
+        if flat_rows:
+            host["sample_rows"] = torch.tensor(flat_rows, dtype=torch.long)
+        if prefills and self.attn.needs_prefill_tables:
+            host.update(self._prefill_tables(prefills))
+        dev = to_device(host, self.device)
+        prefill_meta = [(start, start + n, dev.get(f"prefill_slots.{i}"), seq.num_computed_tokens)
+                        for i, ((seq, n), start) in enumerate(zip(prefills, starts))]
         self.attn.metadata = StepMetadata(
-            slot_mapping=torch.tensor(slot_mapping, device=self.device),
+            slot_mapping=dev["slot_mapping"],
             num_decodes=len(decodes),
-            decode_block_tables=decode_tables,
-            decode_lens=None if decode_lens is None else decode_lens.to(self.device),
+            decode_block_tables=dev.get("decode_block_tables"),
+            decode_lens=dev.get("decode_lens"),
             block_size=self.block_size,
             dtype=self.dtype,
             prefills=prefill_meta,
-            max_decode_len=0 if decode_lens is None else int(decode_lens.max()),
+            prefill_block_tables=dev.get("prefill_block_tables"),
+            prefill_cu_seqlens=dev.get("prefill_cu_seqlens"),
+            prefill_context_lens=dev.get("prefill_context_lens"),
+            max_prefill_len=max((n for _, n in prefills), default=0),
         )
-        if prefills and self.attn.needs_prefill_tables:
-            self._add_prefill_tables(self.attn.metadata, prefills)
-        input_ids, positions_t = torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device)
+        input_ids, positions_t = dev["input_ids"], dev["positions"]
         hidden = None
         if self.decode_plan is not None and not prefills:
             md = self.attn.metadata
@@ -179,18 +202,12 @@ class ModelRunner:
             hidden = self.model(input_ids, positions_t, self.attn)
         self.attn.metadata = None
         prompt_scores: list[tuple[Sequence, ScoredChunk]] = []
-        prompts_done: list[Sequence] = []
         if score_prompts:
-            starts = list(range(len(decodes))) + [meta[0] for meta in prefill_meta]
-            for (seq, n), start in zip(decodes + prefills, starts):
+            for (seq, n), start in zip(decodes + prefills, list(range(len(decodes))) + starts):
                 if seq.prompt_logprobs is not None and seq.num_computed_tokens < seq.num_prompt_tokens:
                     prompt_scores.append((seq, self._score_prompt(hidden, seq, start, n)))
-            prompts_done = [seq for seq in samplers if seq.params.max_tokens == 0]
-            keep = [i for i, seq in enumerate(samplers) if seq.params.max_tokens > 0]
-            sample_rows, samplers = [sample_rows[i] for i in keep], [samplers[i] for i in keep]
-        flat_rows = [r for rows in sample_rows for r in rows]
         if flat_rows:
-            logits = self.model.compute_logits(hidden[torch.tensor(flat_rows, device=self.device)])
+            logits = self.model.compute_logits(hidden[dev["sample_rows"]])
         else:
             logits = torch.empty(0, self.model.config.vocab_size)
         return RunnerOutput(logits, samplers, [len(rows) for rows in sample_rows], prompt_scores, prompts_done)

@@ -59,15 +59,20 @@ def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
 
 
 def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int], output_ids: list[int]) -> torch.Tensor:
-    """vLLM's semantics: repetition penalty over prompt + output, presence/frequency over output."""
+    """vLLM's semantics: repetition penalty over prompt + output, presence/frequency over output.
+
+    Every tensor combined with `logits` is made on its device in its dtype (token ids are
+    copied there once; the counts are summed there), so CUDA logits meet no CPU operand."""
     logits = logits.clone()
+    device = logits.device
     if params.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted(set(prompt_ids) | set(output_ids)), dtype=torch.long)
+        seen = torch.tensor(sorted(set(prompt_ids) | set(output_ids)), dtype=torch.long, device=device)
         vals = logits[seen]
         logits[seen] = torch.where(vals > 0, vals / params.repetition_penalty, vals * params.repetition_penalty)
     if output_ids and (params.presence_penalty or params.frequency_penalty):
-        counts = torch.bincount(torch.tensor(output_ids, dtype=torch.long), minlength=logits.shape[-1])[: logits.shape[-1]]
-        logits -= params.frequency_penalty * counts.to(logits.dtype)
+        ids = torch.tensor(output_ids, dtype=torch.long, device=device)
+        counts = torch.zeros_like(logits).index_add_(0, ids, torch.ones(ids.shape, dtype=logits.dtype, device=device))
+        logits -= params.frequency_penalty * counts
         logits -= params.presence_penalty * (counts > 0).to(logits.dtype)
     return logits
 
@@ -101,7 +106,7 @@ def _prepare_row(row_logits: torch.Tensor, req: SampleRequest) -> tuple[torch.Te
         row_logits = apply_penalties(row_logits, p, req.prompt_ids, req.output_ids)
     if req.blocked_ids:
         row_logits = row_logits.clone()
-        row_logits[req.blocked_ids] = float("-inf")
+        row_logits[torch.tensor(req.blocked_ids, dtype=torch.long, device=row_logits.device)] = float("-inf")
     # logprobs describe the model's distribution (after penalties) before a grammar's mask, as vLLM's
     # default does; the masked one has -inf everywhere the grammar forbids
     scored_logits = row_logits

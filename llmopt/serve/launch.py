@@ -32,7 +32,6 @@ class ServeArgs:
                               "at a time) or vllm (hands over to `vllm serve`).", "--engine", recipe="engine",
                               choices=ENGINES)
     tensor_parallel_size: int = option(1, "GPUs per model (vllm engine only).", ge=1)
-    quantization: Optional[str] = option(None, "Passed to vllm (awq, gptq, ...).")
     api_key: Optional[str] = option(None, "Require 'Authorization: Bearer KEY' (or set LLMOPT_API_KEY).",
                                     recipe=None)
     served_model_name: Optional[str] = option(None, "Model name clients use (default: MODEL).")
@@ -69,8 +68,11 @@ class ServeArgs:
             raise LlmoptError(f"unknown --tool-call-parser {self.tool_call_parser!r}; available: "
                               f"{', '.join(TOOL_CALL_PARSERS)}")
         if self.engine_name != "vllm":
-            if self.tensor_parallel_size != 1 or self.quantization:
-                raise LlmoptError("--tensor-parallel-size and --quantization apply to --engine vllm only")
+            if self.tensor_parallel_size != 1:
+                raise LlmoptError("--tensor-parallel-size applies to --engine vllm only")
+            if self.engine_name == "llama.cpp" and self.engine.quantization:
+                raise LlmoptError("--quantization applies to --engine llmopt and vllm, not llama.cpp (a GGUF file "
+                                  "names its own types)")
             config = self.engine.engine_config()
             if self.engine_name == "llama.cpp" and config.speculative_config is not None:
                 raise LlmoptError("speculative decoding runs on --engine llmopt or vllm, not llama.cpp")
@@ -101,7 +103,7 @@ def run_server(args: ServeArgs, announce=print) -> None:
         from llmopt.runtime.async_engine import AsyncLLM
 
         loaded = load(args.model, dtype=args.engine.dtype, device=args.engine.device,
-                      load_format=args.engine.load_format)
+                      load_format=args.engine.load_format, quantization=args.engine.quantization)
         async_engine = llm = AsyncLLM.from_spec(loaded, engine_config=args.engine.engine_config())
         kv = llm.engine.kv
         kv_dtype = str(llm.engine.kv_cache_dtype).removeprefix("torch.")
@@ -139,8 +141,8 @@ def vllm_command(args: ServeArgs, api_key: str | None = None) -> list[str]:
             "--enable-prefix-caching" if e.enable_prefix_caching else "--no-enable-prefix-caching"]
     if e.max_model_len is not None:
         argv += ["--max-model-len", str(e.max_model_len)]
-    if args.quantization:
-        argv += ["--quantization", args.quantization]
+    if e.quantization:  # vLLM's own flag (any of its methods: llmopt's runtime takes awq and gptq)
+        argv += ["--quantization", e.quantization]
     if e.load_format != "auto":  # vLLM's own flag and value
         argv += ["--load-format", e.load_format]
     if e.kv_cache_dtype != "auto":  # same flag there; vLLM checks the value against what its version supports

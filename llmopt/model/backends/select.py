@@ -3,12 +3,15 @@
 - `CpuBackend` on CPU;
 - `TritonBackend` on CUDA where Triton imports;
 - `ReferenceBackend` everywhere else, and wherever `LLMOPT_KERNELS=reference` is set.
-`LLMOPT_KERNELS=triton` asks for the Triton kernels wherever Triton imports, on CPU through
-its interpreter (`TRITON_INTERPRET=1`): how the tests run them without a GPU.
+CUDA without Triton runs the PyTorch reference (several times slower at decode) and says so in a
+warning at load, with the fix; `LLMOPT_KERNELS=reference` chooses that path without the warning.
+`LLMOPT_KERNELS=triton` asks for the Triton kernels, on CPU through its interpreter
+(`TRITON_INTERPRET=1`): how the tests run them without a GPU; without Triton it is an error.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
@@ -18,6 +21,8 @@ from llmopt.model.backends.base import KernelBackend
 from llmopt.model.backends.cpu import CpuBackend
 from llmopt.model.backends.reference import ReferenceBackend
 from llmopt.model.backends.triton import TritonBackend
+
+log = logging.getLogger("llmopt")
 
 
 def requested_backend() -> str:
@@ -37,7 +42,16 @@ def select_backend(device: torch.device, dtype: torch.dtype) -> KernelBackend:
     if requested == "triton":
         if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError("LLMOPT_KERNELS=triton on CPU runs Triton's interpreter: set TRITON_INTERPRET=1 too")
-        return TritonBackend() if triton_available() else ReferenceBackend()
-    if device.type == "cuda" and triton_available():
+        if not triton_available():
+            raise ValueError("LLMOPT_KERNELS=triton: Triton is not installed here (pip install triton)")
         return TritonBackend()
-    return CpuBackend() if device.type == "cpu" else ReferenceBackend()
+    if device.type == "cpu":
+        return CpuBackend()
+    if device.type == "cuda":
+        if triton_available():
+            return TritonBackend()
+        log.warning("WARNING: %s without Triton: the model runs llmopt's PyTorch reference path, not its GPU kernels "
+                    "(int4 projections dequantized, attention gathered per step: several times slower). Install "
+                    "the Triton that matches torch %s (pip install triton), or set LLMOPT_KERNELS=reference to "
+                    "choose this path.", device, torch.__version__)
+    return ReferenceBackend()
