@@ -9,7 +9,8 @@ only; fp16: 2e-3, the output's rounding); the per-row activation rounding of the
 against PyTorch's e4m3 cast (equal values); the native product against the same W8A8 arithmetic in
 PyTorch. The compile check runs `triton.compile` in a subprocess (the kernels must be decorated
 without the interpreter) for each target: the upcast kernel for sm_80, 89 and 90; the e4m3
-kernels for sm_89 (mma.sync e4m3) and sm_90 (wgmma e4m3 on 64-row tiles).
+kernels for sm_89 (mma.sync e4m3) and sm_90 (wgmma e4m3 on 64-row tiles). And an FP8 checkpoint
+on the Triton backend (`TritonFp8Linear`) generates the reference backend's greedy tokens.
 """
 
 from __future__ import annotations
@@ -154,3 +155,27 @@ def test_kernels_compile_for_sm80_sm89_sm90():
     assert results[(89, "native")]["e4m3_mma"] == ["mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32"]
     assert any(m.startswith("wgmma.mma_async") for m in results[(90, "native")]["e4m3_mma"])
     assert results[(80, "upcast")]["e4m3_mma"] == []  # sm_80 has no fp8: the bit-arithmetic widening only
+
+
+def test_fp8_checkpoint_on_triton_layers(tiny_models, monkeypatch, tmp_path):
+    """An FP8_DYNAMIC checkpoint of the tiny model: the Triton backend swaps in `TritonFp8Linear`
+    and its greedy tokens are those of the dense dequantized weights (the reference backend) up to
+    near ties: the upcast kernel is weight-only, like the reference."""
+    from llmopt.kernels.triton_fp8 import native_fp8_supported
+    from llmopt.model.fp8_linear import TritonFp8Linear
+    from llmopt.quant.quantize import QuantizeRequest, quantize
+    from test_triton_runtime import CONFIGS, assert_same_up_to_near_ties, greedy, load_on, tiny_prompts
+
+    if DEVICE == "cuda" and native_fp8_supported(torch.device("cuda")):
+        pytest.skip("this GPU takes the native kernel, which rounds activations to e4m3: the kernel tests cover it")
+    out = tmp_path / "fp8"
+    quantize(QuantizeRequest(model=str(tiny_models["llama"]), output=out, method="fp8"))
+    triton_model = load_on("triton", out, monkeypatch)
+    reference_model = load_on("reference", out, monkeypatch)
+    layers = len(triton_model.model.model.layers)
+    assert sum(isinstance(m, TritonFp8Linear) for m in triton_model.model.modules()) == 4 * layers
+    assert not any(isinstance(m, TritonFp8Linear) for m in reference_model.model.modules())
+    prompts = tiny_prompts(3, seed=4)
+    want, _ = greedy(reference_model, prompts, **CONFIGS["prefix-caching"])
+    got, _ = greedy(triton_model, prompts, **CONFIGS["prefix-caching"])
+    assert_same_up_to_near_ties(got, want)
