@@ -11,7 +11,11 @@ readers and writers:
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -347,21 +351,36 @@ def test_models_info_names_the_scheme(fp8_dynamic):
     assert "compressed-tensors 8-bit FP8_DYNAMIC" in out
 
 
+LLMCOMPRESSOR_ONESHOT = """
+import sys
+import torch
+from llmcompressor import oneshot
+from llmcompressor.modifiers.quantization import QuantizationModifier
+from transformers import AutoModelForCausalLM
+
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32)
+oneshot(model=model, recipe=QuantizationModifier(targets="Linear", scheme="FP8_DYNAMIC", ignore=["lm_head"]))
+model.save_pretrained(sys.argv[2], save_compressed=True)
+"""
+
+
 def test_llm_compressor_fp8_dynamic_equals_ours(tiny_models, fp8_dynamic, tmp_path):
     """llm-compressor's own `oneshot` FP8_DYNAMIC on the same model: the same bytes, and llmopt loads
-    its folder. llmcompressor 0.14 pins transformers <= 5.17, so it is not a test extra; this runs
-    where it is installed beside a transformers it accepts."""
-    pytest.importorskip("llmcompressor", reason="llmcompressor is not installed (0.14 pins transformers <= 5.17, "
-                                                "which would move this environment's transformers)")
-    from llmcompressor import oneshot
-    from llmcompressor.modifiers.quantization import QuantizationModifier
-    from transformers import AutoModelForCausalLM
-
+    its folder. llmcompressor 0.14 pins transformers <= 5.17, so it is not a test extra: this runs
+    with it installed here, or in another environment whose Python LLMOPT_LLMCOMPRESSOR_PYTHON
+    names (e.g. a venv with `pip install llmcompressor`), in a subprocess."""
+    python = os.environ.get("LLMOPT_LLMCOMPRESSOR_PYTHON")
+    if importlib.util.find_spec("llmcompressor") is not None:
+        python = sys.executable
+    elif not python:
+        pytest.skip("llmcompressor is not installed (0.14 pins transformers <= 5.17, which would move this "
+                    "environment's transformers); set LLMOPT_LLMCOMPRESSOR_PYTHON to a Python that has it")
     folder = tiny_models["llama"]
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    oneshot(model=model, recipe=QuantizationModifier(targets="Linear", scheme="FP8_DYNAMIC", ignore=["lm_head"]))
     out = tmp_path / "llmcompressor"
-    model.save_pretrained(out, save_compressed=True)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # its own packages, not this checkout's
+    proc = subprocess.run([python, "-c", LLMCOMPRESSOR_ONESHOT, str(folder), str(out)], capture_output=True,
+                          text=True, env=env, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         if (folder / name).exists():
             (out / name).write_bytes((folder / name).read_bytes())

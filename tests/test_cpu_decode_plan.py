@@ -1,5 +1,5 @@
 """The C++ decode plan (all layers of a decode step in one call) against the module path:
-the same tokens and bitwise the same log-probabilities, for fp32 and int4 weights, GQA,
+the same tokens and bitwise the same log-probabilities, for fp32, int4 and FP8 weights, GQA,
 sliding windows, biases and 16-bit KV caches."""
 
 from __future__ import annotations
@@ -56,6 +56,12 @@ def test_fp32_plan_matches_modules(tiny_models, kind):
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 def test_int4_plan_matches_modules(int4_models, kind):
     assert_identical(*generate_both_ways(str(int4_models[kind])))
+
+
+def test_fp8_plan_matches_modules(tiny_models, tmp_path):
+    out = tmp_path / "fp8"
+    quantize(QuantizeRequest(model=str(tiny_models["llama"]), output=out, method="fp8"))
+    assert_identical(*generate_both_ways(str(out)))
 
 
 def test_bf16_kv_plan_matches_modules(tiny_models):

@@ -2,8 +2,8 @@
 //
 // With 4-bit weights a batch-1 decode step of a small model is ~4 ms of arithmetic, but the
 // Python around it (module calls, ~35 ops per layer at 2-5 us of dispatch each) costs more.
-// A DecodePlan holds each layer's tensors (norm weights, the four projections: fp32, bf16 or
-// int4) once; `run` then does every layer of one decode step in a single call, with the GIL
+// A DecodePlan holds each layer's tensors (norm weights, the four projections: fp32, bf16,
+// int4 or FP8) once; `run` then does every layer of one decode step in a single call, with the GIL
 // released, through the same kernels and in the same order as the PyTorch modules
 // (llmopt/model/llama.py), so its hidden states are bitwise those of the module path.
 #include <torch/extension.h>
@@ -20,21 +20,26 @@ torch::Tensor silu_and_mul(torch::Tensor x);
 torch::Tensor int4_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor scaled_zeros,
                           int64_t out_features, int64_t group_size, c10::optional<torch::Tensor> perm,
                           c10::optional<torch::Tensor> bias);
+torch::Tensor fp8_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, c10::optional<torch::Tensor> bias);
 
 namespace {
 
 // One projection as the module path runs it for a decode batch (rows <= the skinny limit):
-// fp32 or bf16 weights through skinny_linear, int4 through int4_linear.
+// fp32 or bf16 weights through skinny_linear, int4 through int4_linear, FP8 through fp8_linear.
 struct LinearSpec {
-  bool int4 = false;
+  enum Kind { kDense, kInt4, kFp8 };
+  Kind kind = kDense;
   torch::Tensor weight;  // dense fp32 / bf16 [N, K]
-  torch::Tensor codes, scales, scaled_zeros;
+  torch::Tensor codes, scales, scaled_zeros;  // int4: int4_linear's; FP8: e4m3 codes [N, K] and fp32 scales [N]
   int64_t out_features = 0, group_size = 0;
   c10::optional<torch::Tensor> perm, bias;
 
   torch::Tensor operator()(const torch::Tensor& x) const {
-    if (int4) return int4_linear(x, codes, scales, scaled_zeros, out_features, group_size, perm, bias);
-    return skinny_linear(x, weight, bias);
+    switch (kind) {
+      case kInt4: return int4_linear(x, codes, scales, scaled_zeros, out_features, group_size, perm, bias);
+      case kFp8: return fp8_linear(x, codes, scales, bias);
+      default: return skinny_linear(x, weight, bias);
+    }
   }
 };
 
@@ -105,7 +110,7 @@ LinearSpec dense_spec(torch::Tensor weight, c10::optional<torch::Tensor> bias) {
 LinearSpec int4_spec(torch::Tensor codes, torch::Tensor scales, torch::Tensor scaled_zeros, int64_t out_features,
                      int64_t group_size, c10::optional<torch::Tensor> perm, c10::optional<torch::Tensor> bias) {
   LinearSpec s;
-  s.int4 = true;
+  s.kind = LinearSpec::kInt4;
   s.codes = codes;
   s.scales = scales;
   s.scaled_zeros = scaled_zeros;
@@ -113,6 +118,19 @@ LinearSpec int4_spec(torch::Tensor codes, torch::Tensor scales, torch::Tensor sc
   s.group_size = group_size;
   s.perm = perm;
   s.bias = bias;
+  return s;
+}
+
+LinearSpec fp8_spec(torch::Tensor codes, torch::Tensor scales, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(codes.dim() == 2 && codes.is_contiguous() && codes.scalar_type() == torch::kUInt8 &&
+                  scales.is_contiguous() && scales.scalar_type() == torch::kFloat32 && scales.numel() == codes.size(0),
+              "fp8_linear: contiguous e4m3 codes [N, K] as uint8 and fp32 scales [N]");
+  LinearSpec s;
+  s.kind = LinearSpec::kFp8;
+  s.codes = codes;
+  s.scales = scales;
+  s.bias = bias;
+  s.out_features = codes.size(0);
   return s;
 }
 
@@ -126,6 +144,8 @@ void register_decode_plan(pybind11::module& m) {
   m.def("int4_linear_spec", &int4_spec, "a projection with int4 weights (int4_linear's arguments)",
         py::arg("codes"), py::arg("scales"), py::arg("scaled_zeros"), py::arg("out_features"), py::arg("group_size"),
         py::arg("perm") = py::none(), py::arg("bias") = py::none());
+  m.def("fp8_linear_spec", &fp8_spec, "a projection with FP8 e4m3 weights (fp8_linear's arguments)",
+        py::arg("codes"), py::arg("scales"), py::arg("bias") = py::none());
   py::class_<DecodePlan>(m, "DecodePlan")
       .def(py::init<>())
       .def("add_layer", &DecodePlan::add_layer)

@@ -2,16 +2,27 @@
 // output row (compressed-tensors' float-quantized checkpoints), on CPU.
 //
 // A decode step reads every weight once; e4m3 codes are a quarter of fp32's bytes. Each code is
-// widened in registers, never written back as a float: its 7 exponent+mantissa bits shifted
-// into an fp16's bits 13..7 (and the sign to bit 15) make an fp16 worth exactly code / 256 (an
-// e4m3 subnormal m * 2^-9 lands on fp16's subnormal m * 2^-17), which F16C's vcvtph2ps turns
-// into 8 floats (AVX2) or AVX-512's into 16. The row's sum is multiplied by 256 (exact) and the
-// scale at the end. Without F16C (or capped to "scalar") a 256-entry table of code / 256 does
-// the widening.
+// widened in registers, never written back as a float, in three integer operations and one
+// conversion: sign-extend the byte to 16 bits, shift left by 7 and clear bit 14. That puts the
+// sign in bit 15 and the 7 exponent+mantissa bits in bits 13..7: an fp16 worth exactly
+// code / 256 (fp16's exponent bias 15 is e4m3's 7 plus 8, and an e4m3 subnormal m * 2^-9 lands
+// on fp16's subnormal m * 2^-17, which the conversion widens exactly). F16C's vcvtph2ps turns 8
+// of them into floats (AVX2), AVX-512's 16. Every widened value is a normal float (or zero), so
+// no FMA meets a subnormal operand. The row's sum is multiplied by 256 (exact) and the scale at
+// the end. The NaN codes 0x7F / 0xFF (never written by a quantizer that clamps to +-448) widen
+// to the fp16 bit pattern's 480 / 256 on every path. Without F16C (or capped to "scalar") a
+// 256-entry table of code / 256 does the widening.
 //
+// Paths, chosen at run time (csrc/isa.h; "amx" takes the AVX-512 one):
+// - avx512: 32 codes per step (one 512-bit sign-extend, shift and mask, two 16-float
+//   conversions), 16-lane accumulators; one x row streams 8 weight rows, batches run tiles of 4
+//   x rows by 6 weight rows, so each weight read and widened serves 4 rows of x.
+// - avx2: 8 codes per conversion, 8-lane accumulators; 8 weight rows for one x row, 2 x 6 tiles.
+// - scalar: the table.
 // Every output element is the same arithmetic whatever the tile it falls in and whatever the
 // number of rows: lane-wise partial sums over k in order, one fixed horizontal sum, then the k
-// tail. So a sequence's result does not depend on what else is in the batch.
+// tail. So a sequence's result does not depend on what else is in the batch. The paths group
+// their sums differently (16 lanes, 8 lanes, one), so they agree within float rounding.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -24,12 +35,18 @@
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define LLMOPT_FP8_AVX2 1
+#if LLMOPT_COMPILED_AVX512
+#define LLMOPT_FP8_AVX512 1
+#endif
 #endif
 
 namespace {
 
-// code / 256 for every e4m3 byte (S.EEEE.MMM, bias 7; 0x7F / 0xFF are NaN in e4m3fn and are
-// never written by a quantizer that clamps to +-448: read here as the bit pattern's 480 / 256)
+// Weight rows per parallel task unit: at::parallel_for's grain, in blocks of NT rows.
+constexpr int64_t kGrainBlocks = 16;
+
+// code / 256 for every e4m3 byte (S.EEEE.MMM, bias 7), bit for bit what the SIMD widening gives
+// (the NaN patterns 0x7F / 0xFF included: their bits read as an fp16, 480 / 256)
 const std::array<float, 256>& fp8_table() {
   static const std::array<float, 256> table = [] {
     std::array<float, 256> t{};
@@ -43,15 +60,28 @@ const std::array<float, 256>& fp8_table() {
   return table;
 }
 
-// scalar: out[m][j] for MT rows of x and one weight row, k in order
+// the k tail of one output element, after the SIMD steps: s += x[r] * w[r] for r in [k, K)
+inline float tail(float s, const float* x, const uint8_t* w, int64_t k, int64_t K) {
+  const auto& t = fp8_table();
+  for (; k < K; ++k) s += x[k] * t[w[k]];
+  return s;
+}
+
+// scalar: out[m][n] for every row of x and one weight row, k in order
 void scalar_rows(const float* x, int64_t M, const uint8_t* w, int64_t K, const float* scale, float* out,
                  int64_t N, int64_t n) {
-  const auto& t = fp8_table();
-  for (int64_t m = 0; m < M; ++m) {
-    float s = 0.0f;
-    for (int64_t k = 0; k < K; ++k) s += x[m * K + k] * t[w[k]];
-    out[m * N + n] = s * 256.0f * scale[n];
-  }
+  for (int64_t m = 0; m < M; ++m) out[m * N + n] = tail(0.0f, x + m * K, w, 0, K) * 256.0f * scale[n];
+}
+
+// All N weight rows, NT at a time, split between the threads (each block of NT rows against every
+// row of x: `block(b)` computes it); the last N % NT rows one by one (`single(n)`).
+template <int NT, typename Block, typename Single>
+void over_weight_rows(int64_t N, const Block& block, const Single& single) {
+  const int64_t blocks = N / NT;
+  at::parallel_for(0, blocks, kGrainBlocks, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) block(b * NT);
+  });
+  for (int64_t n = blocks * NT; n < N; ++n) single(n);
 }
 
 #ifdef LLMOPT_FP8_AVX2
@@ -65,16 +95,13 @@ inline float hsum8(__m256 v) {
 
 // 8 codes as floats worth code / 256 (see the header)
 inline __m256 widen8(const uint8_t* w) {
-  const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w)));
-  const __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8),
-                                 _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7F)), 7));
-  return _mm256_cvtph_ps(h);
+  const __m128i b = _mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w)));
+  return _mm256_cvtph_ps(_mm_and_si128(_mm_slli_epi16(b, 7), _mm_set1_epi16(static_cast<short>(0xBFFF))));
 }
 
 // out[m][j] = dot(x[m], w[j]) * 256 * scale[j] for MT rows of x and NT weight rows
 template <int NT, int MT>
-inline void dot_tile(const float* x, const uint8_t* w, int64_t K, const float* scale, float* out, int64_t ldo) {
-  const auto& t = fp8_table();
+inline void dot_tile8(const float* x, const uint8_t* w, int64_t K, const float* scale, float* out, int64_t ldo) {
   __m256 acc[MT][NT];
   for (int m = 0; m < MT; ++m)
     for (int j = 0; j < NT; ++j) acc[m][j] = _mm256_setzero_ps();
@@ -88,41 +115,107 @@ inline void dot_tile(const float* x, const uint8_t* w, int64_t K, const float* s
     }
   }
   for (int m = 0; m < MT; ++m)
-    for (int j = 0; j < NT; ++j) {
-      float s = hsum8(acc[m][j]);
-      for (int64_t r = k; r < K; ++r) s += x[m * K + r] * t[w[j * K + r]];
-      out[m * ldo + j] = s * 256.0f * scale[j];
-    }
+    for (int j = 0; j < NT; ++j)
+      out[m * ldo + j] = tail(hsum8(acc[m][j]), x + m * K, w + j * K, k, K) * 256.0f * scale[j];
 }
 
+// NT weight rows against all M rows of x, two x rows at a time
 template <int NT>
-inline void weight_rows(const float* x, int64_t M, const uint8_t* w, int64_t K, const float* scale, float* out,
-                        int64_t N) {
+inline void rows8(const float* x, int64_t M, const uint8_t* w, int64_t K, const float* scale, float* out, int64_t N) {
   int64_t m = 0;
-  for (; m + 2 <= M; m += 2) dot_tile<NT, 2>(x + m * K, w, K, scale, out + m * N, N);
-  for (; m < M; ++m) dot_tile<NT, 1>(x + m * K, w, K, scale, out + m * N, N);
+  for (; m + 2 <= M; m += 2) dot_tile8<NT, 2>(x + m * K, w, K, scale, out + m * N, N);
+  for (; m < M; ++m) dot_tile8<NT, 1>(x + m * K, w, K, scale, out + m * N, N);
 }
 
+// 6 weight rows x 2 x rows: 12 accumulators, as many as AVX2's 16 registers allow with the
+// operands; one x row (batch 1) streams 8 weight rows at a time.
 template <int NT>
-void simd_all_rows(const float* x, int64_t M, const uint8_t* w, int64_t K, const float* scale, float* out,
-                   int64_t N) {
-  const int64_t blocks = N / NT;
-  at::parallel_for(0, blocks, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) weight_rows<NT>(x, M, w + b * NT * K, K, scale + b * NT, out + b * NT, N);
-  });
-  for (int64_t n = blocks * NT; n < N; ++n) weight_rows<1>(x, M, w + n * K, K, scale + n, out + n, N);
+void avx2_all(const float* x, int64_t M, const uint8_t* w, int64_t K, const float* scale, float* out, int64_t N) {
+  over_weight_rows<NT>(
+      N, [&](int64_t n) { rows8<NT>(x, M, w + n * K, K, scale + n, out + n, N); },
+      [&](int64_t n) { rows8<1>(x, M, w + n * K, K, scale + n, out + n, N); });
 }
 #endif
+
+#ifdef LLMOPT_FP8_AVX512
+// 32 codes as two vectors of 16 floats worth code / 256 (k .. k+15 and k+16 .. k+31)
+inline void widen32(const uint8_t* w, __m512& lo, __m512& hi) {
+  const __m512i b = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)));
+  const __m512i h = _mm512_and_si512(_mm512_slli_epi16(b, 7), _mm512_set1_epi16(static_cast<short>(0xBFFF)));
+  lo = _mm512_cvtph_ps(_mm512_castsi512_si256(h));
+  hi = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
+}
+
+// 16 codes as 16 floats worth code / 256
+inline __m512 widen16(const uint8_t* w) {
+  const __m256i b = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
+  return _mm512_cvtph_ps(_mm256_and_si256(_mm256_slli_epi16(b, 7), _mm256_set1_epi16(static_cast<short>(0xBFFF))));
+}
+
+// dot_tile8 on 16 lanes: per lane the products k, k+16 of each 32-code step in order, then one
+// 16-code step, one fixed reduction, the k tail
+template <int NT, int MT>
+inline void dot_tile16(const float* x, const uint8_t* w, int64_t K, const float* scale, float* out, int64_t ldo) {
+  __m512 acc[MT][NT];
+  for (int m = 0; m < MT; ++m)
+    for (int j = 0; j < NT; ++j) acc[m][j] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 32 <= K; k += 32) {
+    for (int j = 0; j < NT; ++j) {
+      __m512 lo, hi;
+      widen32(w + j * K + k, lo, hi);
+      for (int m = 0; m < MT; ++m) acc[m][j] = _mm512_fmadd_ps(_mm512_loadu_ps(x + m * K + k), lo, acc[m][j]);
+      for (int m = 0; m < MT; ++m) acc[m][j] = _mm512_fmadd_ps(_mm512_loadu_ps(x + m * K + k + 16), hi, acc[m][j]);
+    }
+  }
+  if (k + 16 <= K) {
+    for (int j = 0; j < NT; ++j) {
+      const __m512 b = widen16(w + j * K + k);
+      for (int m = 0; m < MT; ++m) acc[m][j] = _mm512_fmadd_ps(_mm512_loadu_ps(x + m * K + k), b, acc[m][j]);
+    }
+    k += 16;
+  }
+  for (int m = 0; m < MT; ++m)
+    for (int j = 0; j < NT; ++j)
+      out[m * ldo + j] = tail(_mm512_reduce_add_ps(acc[m][j]), x + m * K, w + j * K, k, K) * 256.0f * scale[j];
+}
+
+template <int NT>
+inline void rows16(const float* x, int64_t M, const uint8_t* w, int64_t K, const float* scale, float* out,
+                   int64_t N) {
+  int64_t m = 0;
+  for (; m + 4 <= M; m += 4) dot_tile16<NT, 4>(x + m * K, w, K, scale, out + m * N, N);
+  for (; m + 2 <= M; m += 2) dot_tile16<NT, 2>(x + m * K, w, K, scale, out + m * N, N);
+  for (; m < M; ++m) dot_tile16<NT, 1>(x + m * K, w, K, scale, out + m * N, N);
+}
+
+// 4 x rows by 6 weight rows: 24 of the 32 registers accumulate; batch 1 streams 8 weight rows
+template <int NT>
+void avx512_all(const float* x, int64_t M, const uint8_t* w, int64_t K, const float* scale, float* out, int64_t N) {
+  over_weight_rows<NT>(
+      N, [&](int64_t n) { rows16<NT>(x, M, w + n * K, K, scale + n, out + n, N); },
+      [&](int64_t n) { rows16<1>(x, M, w + n * K, K, scale + n, out + n, N); });
+}
+#endif
+
+// The path fp8_linear takes now: the widest this build compiled, the CPU has and the cap allows.
+int fp8_path() {
+  const int isa = llmopt_isa::active_isa();
+#ifdef LLMOPT_FP8_AVX512
+  if (isa >= llmopt_isa::kAvx512) return llmopt_isa::kAvx512;
+#endif
+#ifdef LLMOPT_FP8_AVX2
+  if (isa >= llmopt_isa::kAvx2) return llmopt_isa::kAvx2;
+#endif
+  (void)isa;
+  return llmopt_isa::kScalar;
+}
 
 }  // namespace
 
-bool fp8_linear_simd() {
-#ifdef LLMOPT_FP8_AVX2
-  return llmopt_isa::active_isa() >= llmopt_isa::kAvx2;
-#else
-  return false;
-#endif
-}
+std::string fp8_linear_path() { return llmopt_isa::isa_name(fp8_path()); }
+
+bool fp8_linear_simd() { return fp8_path() != llmopt_isa::kScalar; }
 
 torch::Tensor fp8_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, c10::optional<torch::Tensor> bias) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && codes.dtype() == torch::kUInt8 && scales.dtype() == torch::kFloat32,
@@ -136,19 +229,28 @@ torch::Tensor fp8_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor sca
   const uint8_t* wp = codes.data_ptr<uint8_t>();
   const float* sp = scales.data_ptr<float>();
   float* op = out.data_ptr<float>();
-#ifdef LLMOPT_FP8_AVX2
-  if (fp8_linear_simd()) {
-    if (M == 1)
-      simd_all_rows<8>(xp, M, wp, K, sp, op, N);
-    else
-      simd_all_rows<6>(xp, M, wp, K, sp, op, N);
-    if (bias.has_value()) out.add_(bias.value());
-    return out;
-  }
+  switch (fp8_path()) {
+#ifdef LLMOPT_FP8_AVX512
+    case llmopt_isa::kAvx512:
+      if (M == 1)
+        avx512_all<8>(xp, M, wp, K, sp, op, N);
+      else
+        avx512_all<6>(xp, M, wp, K, sp, op, N);
+      break;
 #endif
-  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n) scalar_rows(xp, M, wp + n * K, K, sp, op, N, n);
-  });
+#ifdef LLMOPT_FP8_AVX2
+    case llmopt_isa::kAvx2:
+      if (M == 1)
+        avx2_all<8>(xp, M, wp, K, sp, op, N);
+      else
+        avx2_all<6>(xp, M, wp, K, sp, op, N);
+      break;
+#endif
+    default:
+      at::parallel_for(0, N, kGrainBlocks, [&](int64_t begin, int64_t end) {
+        for (int64_t n = begin; n < end; ++n) scalar_rows(xp, M, wp + n * K, K, sp, op, N, n);
+      });
+  }
   if (bias.has_value()) out.add_(bias.value());
   return out;
 }

@@ -3,7 +3,7 @@
 Once weights are 4-bit, a batch-1 decode step of a small model is a few milliseconds of
 arithmetic, and the Python around it (module calls, ~35 ops per layer at a few
 microseconds of dispatch each) cost more than that. Like replaying a captured CUDA graph,
-the plan records each layer's tensors once (norm weights; fp32, bf16 or int4 projections)
+the plan records each layer's tensors once (norm weights; fp32, bf16, int4 or FP8 projections)
 and runs a whole decode step's layers through the same kernels the modules call, in the
 same order: the hidden states are bitwise those of `LlamaModel.forward` (tested in
 tests/test_cpu_decode_plan.py). Only steps made entirely of decodes, with at most
@@ -19,6 +19,7 @@ import torch
 from llmopt.kernels.cpu_extension import cpu_ops
 from llmopt.kernels.cpu_fused import fused_ops
 from llmopt.kernels.cpu_linear import SKINNY_MAX_ROWS, skinny_linear_kernel
+from llmopt.model.fp8_linear import Fp8Linear
 from llmopt.model.int4_linear import CpuInt4Linear
 from llmopt.model.linear import DenseLinear
 from llmopt.model.llama import LlamaForCausalLM, RMSNorm
@@ -26,10 +27,14 @@ from llmopt.model.llama import LlamaForCausalLM, RMSNorm
 
 def _linear_spec(ops: Any, layer: torch.nn.Module) -> Any | None:
     """The projection as the plan runs it, or None where the module path would not use the
-    skinny / int4 kernels for a decode batch (then no plan)."""
+    skinny / int4 / FP8 kernels for a decode batch (then no plan)."""
     if isinstance(layer, CpuInt4Linear):
         return ops.int4_linear_spec(layer.codes, layer.scales, layer.scaled_zeros, layer.out_features,
                                     layer.group_size, layer.perm, layer.bias)
+    if isinstance(layer, Fp8Linear):
+        if layer.kernel is None or layer.codes.device.type != "cpu":
+            return None
+        return ops.fp8_linear_spec(layer.codes, layer.scales, layer.bias)
     if isinstance(layer, DenseLinear) and layer.skinny is not None and layer.int8_weight is None:
         if layer.bf16_weight is not None:
             return ops.dense_linear_spec(layer.bf16_weight, layer.bias)
