@@ -161,6 +161,32 @@ def int4_variants(x_dtype: torch.dtype, group_size: int, has_perm: bool, has_bia
     return out
 
 
+def fp8_variants(x_dtype: torch.dtype, has_bias: bool) -> list[Variant]:
+    """The FP8 matmul's kernels (`triton_fp8_kernels`): the weight-only upcast (any GPU: bytes, no fp8
+    type) at both row tilings, and, where x is rounded to e4m3 (sm_89+), the row quantizer and the
+    native e4m3 x e4m3 kernel."""
+    from llmopt.kernels import triton_fp8_kernels as k
+
+    out = []
+    for block_m in sorted({k._block_m(1), k._block_m(1 << 20)}):  # the few-row and the many-row tiling
+        out.append(_variant(k.__name__, "_upcast_kernel",
+                            dict(x_ptr=x_dtype, w_ptr=torch.uint8, s_ptr=torch.float32, bias_ptr=torch.float32,
+                                 out_ptr=x_dtype),
+                            dict(HAS_BIAS=has_bias, INPUT_PRECISION="ieee" if x_dtype == torch.float32 else "tf32",
+                                 BLOCK_M=block_m, BLOCK_N=k.BLOCK_N, BLOCK_K=k.UPCAST_BLOCK_K),
+                            {"x": _short(x_dtype), "w": "e4m3 bytes"}))
+        out.append(_variant(k.__name__, "_native_kernel",
+                            dict(xq_ptr=torch.float8_e4m3fn, xs_ptr=torch.float32, w_ptr=torch.float8_e4m3fn,
+                                 ws_ptr=torch.float32, bias_ptr=torch.float32, out_ptr=x_dtype),
+                            dict(HAS_BIAS=has_bias, BLOCK_M=block_m, BLOCK_N=k.BLOCK_N, BLOCK_K=k.NATIVE_BLOCK_K),
+                            {"x": _short(x_dtype), "w": "float8_e4m3fn"}))
+    out.append(_variant(k.__name__, "_quantize_rows_kernel",
+                        dict(x_ptr=x_dtype, q_ptr=torch.float8_e4m3fn, s_ptr=torch.float32),
+                        dict(FP8_MAX_=k.FP8_MAX, MIN_SCALE_=k.MIN_SCALE, BLOCK_K=k.QUANT_BLOCK_K),
+                        {"x": _short(x_dtype), "w": "float8_e4m3fn"}))
+    return out
+
+
 def enumerate_variants(params: VariantParams) -> list[Variant]:
     """Every distinct variant for these parameters, in a fixed order (duplicates dropped)."""
     variants: list[Variant] = []
@@ -173,6 +199,8 @@ def enumerate_variants(params: VariantParams) -> list[Variant]:
             for has_perm in (False, True):
                 for has_bias in (False, True):
                     variants += int4_variants(DTYPE_NAMES[x], group_size, has_perm, has_bias)
+        for has_bias in (False, True):
+            variants += fp8_variants(DTYPE_NAMES[x], has_bias)
     seen, unique = set(), []
     for v in variants:
         key = (v.kernel, json.dumps(v.signature, sort_keys=True), json.dumps(v.constexprs, sort_keys=True))
