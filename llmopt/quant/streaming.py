@@ -38,7 +38,7 @@ from llmopt.core.weights import CheckpointReader, TensorSpec
 from llmopt.errors import LlmoptError
 from llmopt.model.attention import EqualLengthAttention
 from llmopt.model.backends import select_backend
-from llmopt.model.linear import make_linear
+from llmopt.model.linear import DenseLinear, make_linear
 from llmopt.model.llama import MLP, Attention, DecoderLayer, LlamaForCausalLM, RMSNorm, checkpoint_names
 from llmopt.model.rope import RotaryEmbedding
 from llmopt.quant.layerwise import (MethodOptions, QuantizedSite, checkpoint_tensors, part_slice,
@@ -117,7 +117,10 @@ def stream_quantize(reader: CheckpointReader, config: ModelConfig, input_ids: to
     AWQ/GPTQ and FP8's static activation scales."""
     _check_present(reader, config, quantize_lm_head)
     # the kernel backend's ops run the calibration forward; a plain copy needs none (nor their build)
-    ops = None if options is None else select_backend(device, dtype).decoder_ops(dtype)
+    backend = None if options is None else select_backend(device, dtype)
+    ops = None if backend is None else backend.decoder_ops(dtype)
+    # float32 products of the calibration in the backend's bf16 math where --fp32-matmul-precision says so
+    matmul = None if backend is None else backend.fp32_prefill_linear(options.fp32_matmul_precision)
     dense_dtype = torch.float32 if fmt == "gguf" else torch.float16
     calibrated = options is not None and options.calibrated
     x = _embeddings(reader, sink, input_ids if calibrated else None, dtype, device, dense_dtype)
@@ -137,8 +140,8 @@ def stream_quantize(reader: CheckpointReader, config: ModelConfig, input_ids: to
         if options is None:
             _copy_layer(reader, config, i, sink, dense_dtype)
         else:
-            layer = _read_layer(reader, config, i, dtype, device, ops)
-            x, sites = quantize_decoder_layer(config, layer, i, x, cos, sin, attn, options)
+            layer = _read_layer(reader, config, i, dtype, device, ops, matmul)
+            x, sites = quantize_decoder_layer(config, layer, i, x, cos, sin, attn, options, matmul)
             _emit(sink, config, layer, prefix, sites, fmt, dense_dtype)
             result.sites.extend(SiteReport.of(site) for site in sites)
             del layer, sites
@@ -159,7 +162,8 @@ def stream_quantize(reader: CheckpointReader, config: ModelConfig, input_ids: to
         with torch.device("meta"):
             lm_head = make_linear(config.hidden_size, config.vocab_size, bias=False)
         lm_head.load_state_dict({"weight": reader.get(head_source).to(device=device, dtype=dtype)}, assign=True)
-        site = quantize_output_layer(config, norm, lm_head, x, options)
+        lm_head.use_prefill_kernel(matmul)
+        site = quantize_output_layer(config, norm, lm_head, x, options, matmul)
         _emit(sink, config, lm_head, "lm_head", [site], fmt, dense_dtype)
         result.sites.append(SiteReport.of(site))
     elif not config.tie_word_embeddings:
@@ -224,8 +228,9 @@ def _copy_rows(reader: CheckpointReader, source: str, name: str, sink: TensorSin
 
 
 def _read_layer(reader: CheckpointReader, config: ModelConfig, index: int, dtype: torch.dtype,
-                device: torch.device, ops) -> DecoderLayer:
-    """Decoder layer `index` with its checkpoint tensors, as `loader.build_model` builds it."""
+                device: torch.device, ops, matmul=None) -> DecoderLayer:
+    """Decoder layer `index` with its checkpoint tensors, as `loader.build_model` builds it;
+    its float32 linears run prompt-sized products through `matmul` where given."""
     with torch.device("meta"):
         layer = DecoderLayer(config, index)
     prefix = f"model.layers.{index}."
@@ -247,6 +252,8 @@ def _read_layer(reader: CheckpointReader, config: ModelConfig, index: int, dtype
     for module in layer.modules():
         if isinstance(module, (RMSNorm, Attention, MLP)):
             module.ops = ops
+        elif isinstance(module, DenseLinear):
+            module.use_prefill_kernel(matmul)
     return layer.eval()
 
 
