@@ -221,6 +221,7 @@ def test_report_has_peak_rss_layer_times_and_memory_plan(tiny_models, tmp_path):
     doc = json.loads((tmp_path / "o" / "quantize_report.json").read_text())
     assert doc["peak_rss_bytes"] == report.peak_rss_bytes > 50 * 2**20  # ru_maxrss: at least torch is resident
     assert len(doc["layer_seconds"]) == 3 and all(s >= 0 for s in doc["layer_seconds"])
+    assert len(doc["layer_cpu_seconds"]) == 3 and sum(doc["layer_cpu_seconds"]) > 0
     assert doc["memory_plan"]["needed_bytes"] > 0 and doc["parameters"]["dtype"] == "float32"
 
 

@@ -129,6 +129,8 @@ class QuantizeReport:
     size_after_bytes: int
     layers: list[dict[str, Any]] = field(default_factory=list)
     layer_seconds: list[float] = field(default_factory=list)  # wall time of each decoder layer, in order
+    # the process's CPU time per layer (all threads): on a shared machine a steadier measure than wall time
+    layer_cpu_seconds: list[float] = field(default_factory=list)
     memory_plan: dict[str, Any] = field(default_factory=dict)  # the RAM estimated before the run (memory_plan.py)
     mean_relative_error: float | None = None
     source: str = ""
@@ -292,7 +294,8 @@ def quantize(req: QuantizeRequest, on_layer: Callable[[int, int], None] | None =
         peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         size_before_bytes=_source_size(source), size_after_bytes=size_after,
         layers=[{"name": s.name, "relative_error": s.relative_error, **s.details} for s in sites],
-        layer_seconds=streamed.layer_seconds, memory_plan=memory.to_dict(),
+        layer_seconds=streamed.layer_seconds, layer_cpu_seconds=streamed.layer_cpu_seconds,
+        memory_plan=memory.to_dict(),
         mean_relative_error=sum(errors) / len(errors) if errors else None,
         source=source.origin or str(source.path),
     )

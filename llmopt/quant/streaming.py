@@ -72,6 +72,7 @@ class SiteReport:
 class StreamedQuantization:
     sites: list[SiteReport]
     layer_seconds: list[float] = field(default_factory=list)
+    layer_cpu_seconds: list[float] = field(default_factory=list)  # the process's CPU time (all threads)
 
 
 def output_plan(config: ModelConfig, fmt: str, options: MethodOptions | None, quantize_lm_head: bool) -> list[TensorSpec]:
@@ -135,7 +136,7 @@ def stream_quantize(reader: CheckpointReader, config: ModelConfig, input_ids: to
     if on_layer:
         on_layer(0, total)  # the layers start now: progress and ETA count from here, not from start-up
     for i in range(total):
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         prefix = f"model.layers.{i}"
         if options is None:
             _copy_layer(reader, config, i, sink, dense_dtype)
@@ -147,6 +148,7 @@ def stream_quantize(reader: CheckpointReader, config: ModelConfig, input_ids: to
             del layer, sites
         release_freed_memory()
         result.layer_seconds.append(round(time.perf_counter() - start, 3))
+        result.layer_cpu_seconds.append(round(time.process_time() - cpu_start, 3))
         if on_layer:
             on_layer(i + 1, total)
     head_source = EMBED if config.tie_word_embeddings else "lm_head.weight"
