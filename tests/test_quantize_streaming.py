@@ -267,6 +267,9 @@ def test_memory_plan_of_an_8b_model(monkeypatch):
     awq_self = memory_plan.quantize_plan(cfg, "awq", "awq", 64, 256, torch.float32, True, False)
     assert rtn.needed < 4 * gib and awq_bf16.needed < awq.needed < 12 * gib  # the fp32 model alone is 30 GiB
     assert awq_self.needed > 32 * gib  # --calib self loads the whole model in float32
+    gptq = memory_plan.quantize_plan(cfg, "gptq", "gptq", 64, 256, torch.float32, False, False)
+    assert gptq.parts["hessian"] == 2 * 14336**2 * 4 and "hessian" not in awq.parts  # down_proj's H and its factor
+    assert abs(gptq.needed - awq.needed - gptq.parts["hessian"] * memory_plan.HEADROOM) <= 1
     monkeypatch.setattr(memory_plan, "available_memory", lambda: 16 * gib)
     monkeypatch.delenv("LLMOPT_MEMORY_CHECK", raising=False)
     memory_plan.check_fits(awq, "quantize", "hint")

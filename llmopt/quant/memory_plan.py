@@ -78,10 +78,10 @@ def quantize_plan(config: ModelConfig, method: str, fmt: str, num_samples: int, 
         parts["tensor"] = max(max(q * h, i * h) * (4 + 4), 8192 * h * 12)
     else:
         parts["layer"] = layer * b + 3 * largest * 4
+        parts["embedding chunk"] = 8192 * h * 8
     if method == "gptq":
         # the widest input's Hessian [in, in] float32 and the factorisation's second matrix (gptq.py)
         parts["hessian"] = 2 * max(h, q, i) ** 2 * 4
-        parts["embedding chunk"] = 8192 * h * 8
     if calibrated:
         tokens = num_samples * seq_len
         # the residual and the MLP's normed input (h each) beside, at the larger of: gate/up's output
