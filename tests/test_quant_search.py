@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import assert_usage_error
+from conftest import assert_usage_error, run_cli
 from llmopt.quant import awq, gptq
 from llmopt.quant.quantizer import QuantScheme, fake_quantize
 from llmopt.quant.quantize import QuantizeRequest, quantize
@@ -178,3 +178,12 @@ def test_bad_fp32_matmul_precision_exits_2(tiny_models, calib_file, tmp_path):
     assert_usage_error(["quantize", str(tiny_models["llama"]), "-o", str(tmp_path / "out"), "--calib", str(calib_file),
                         "--fp32-matmul-precision", "fast"], "fast")
     assert not (tmp_path / "out").exists()
+
+
+def test_progress_lines_give_wall_and_cpu_time_per_layer(tiny_models, tmp_path):
+    code, err, _ = run_cli("quantize", str(tiny_models["llama"]), "-o", str(tmp_path / "o"), "--method", "rtn",
+                           "--group-size", "32", "--json")
+    assert code == 0, err
+    lines = [line for line in err.splitlines() if "rtn: layer" in line]
+    assert len(lines) == 3 and "layer 3/3" in lines[-1], err
+    assert all(" s per layer (" in line and " CPU s), ETA " in line for line in lines), lines
