@@ -187,3 +187,30 @@ def test_progress_lines_give_wall_and_cpu_time_per_layer(tiny_models, tmp_path):
     lines = [line for line in err.splitlines() if "rtn: layer" in line]
     assert len(lines) == 3 and "layer 3/3" in lines[-1], err
     assert all(" s per layer (" in line and " CPU s), ETA " in line for line in lines), lines
+
+
+@pytest.mark.parametrize("method", ["awq", "gptq"])
+@pytest.mark.parametrize("num_samples", [4, 40])  # 128 tokens (the error sample is all of them) and 1,280 (a stride)
+def test_layer_output_is_the_quantized_layers_output(tiny_models, calib_file, method, num_samples):
+    """What quantize_decoder_layer hands the next layer is what the quantized layer computes: its
+    int4 weights and, for AWQ, the scales folded into its norms and feeding rows (the hook scales
+    its input in place, which must not reach anything but the linear it feeds)."""
+    from llmopt.loader import load
+    from llmopt.model.attention import EqualLengthAttention
+    from llmopt.quant.calibration import load_calibration
+    from llmopt.quant.layerwise import MethodOptions, quantize_decoder_layer
+
+    loaded = load(str(tiny_models["llama"]), dtype="float32", int4_kernels=False)
+    model, config = loaded.model, loaded.config
+    ids = load_calibration(str(calib_file), loaded, num_samples, 32, 0).input_ids
+    x = model.model.embed_tokens(ids.reshape(-1))
+    cos, sin = model.model.rotary_emb(torch.arange(32).repeat(num_samples), x.dtype)
+    attn = EqualLengthAttention(num_samples, 32)
+    layer = model.model.layers[0]
+    out, sites = quantize_decoder_layer(config, layer, 0, x.clone(), cos, sin, attn,
+                                        MethodOptions(method=method, scheme=SCHEME))
+    if method == "awq":
+        assert any(site.details.get("scale_ratio", 0) > 0 for site in sites)  # some input was scaled
+    with torch.inference_mode():
+        plain = layer(x.clone(), cos, sin, attn)
+    torch.testing.assert_close(out, plain, rtol=1e-3, atol=1e-3)  # folding moves float rounding only

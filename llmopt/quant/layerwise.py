@@ -191,7 +191,7 @@ def _quantize_site(config: ModelConfig, layer, name, module, x, options: MethodO
     start = time.perf_counter()
     w = module.weight.detach().float().clone()  # the module's weight is overwritten below
     scheme, details, unrounded = options.scheme, {}, None
-    xs = awq.token_sample(x, 1024).contiguous()  # the reported error's sample (a copy: x may be scaled below)
+    xs = awq.token_sample(x, 1024).clone()  # the reported error's sample: a copy, as AWQ scales x in place below
     reference = linear(xs, w)
     if options.method == "awq":
         s = torch.ones(w.shape[1])
