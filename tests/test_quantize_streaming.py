@@ -221,6 +221,7 @@ def test_report_has_peak_rss_layer_times_and_memory_plan(tiny_models, tmp_path):
     doc = json.loads((tmp_path / "o" / "quantize_report.json").read_text())
     assert doc["peak_rss_bytes"] == report.peak_rss_bytes > 50 * 2**20  # ru_maxrss: at least torch is resident
     assert len(doc["layer_seconds"]) == 3 and all(s >= 0 for s in doc["layer_seconds"])
+    assert len(doc["layer_cpu_seconds"]) == 3 and sum(doc["layer_cpu_seconds"]) > 0
     assert doc["memory_plan"]["needed_bytes"] > 0 and doc["parameters"]["dtype"] == "float32"
 
 
@@ -266,6 +267,9 @@ def test_memory_plan_of_an_8b_model(monkeypatch):
     awq_self = memory_plan.quantize_plan(cfg, "awq", "awq", 64, 256, torch.float32, True, False)
     assert rtn.needed < 4 * gib and awq_bf16.needed < awq.needed < 12 * gib  # the fp32 model alone is 30 GiB
     assert awq_self.needed > 32 * gib  # --calib self loads the whole model in float32
+    gptq = memory_plan.quantize_plan(cfg, "gptq", "gptq", 64, 256, torch.float32, False, False)
+    assert gptq.parts["hessian"] == 2 * 14336**2 * 4 and "hessian" not in awq.parts  # down_proj's H and its factor
+    assert abs(gptq.needed - awq.needed - gptq.parts["hessian"] * memory_plan.HEADROOM) <= 1
     monkeypatch.setattr(memory_plan, "available_memory", lambda: 16 * gib)
     monkeypatch.delenv("LLMOPT_MEMORY_CHECK", raising=False)
     memory_plan.check_fits(awq, "quantize", "hint")

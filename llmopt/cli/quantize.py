@@ -32,19 +32,21 @@ def quantize(
     task = progress.add_task("layers", total=None)
     started = time.perf_counter()
     layers_started = started  # reset when the first layer begins (model reading and calibration data come first)
+    layers_cpu_started = time.process_time()
 
     def on_layer(done: int, total: int) -> None:
-        nonlocal layers_started
+        nonlocal layers_started, layers_cpu_started
         if done == 0:
-            layers_started = time.perf_counter()
+            layers_started, layers_cpu_started = time.perf_counter(), time.process_time()
             progress.reset(task, total=total)
             return
         progress.update(task, completed=done, total=total)
         if progress.disable:  # no live bar (a CI log, --json): one stderr line per layer
             now = time.perf_counter()
             per_layer = (now - layers_started) / done
-            log.info("%s: layer %d/%d, %.0f s elapsed, %.1f s per layer, ETA %.0f s", request.method, done, total,
-                     now - started, per_layer, per_layer * (total - done))
+            cpu_per_layer = (time.process_time() - layers_cpu_started) / done  # all threads: steadier when shared
+            log.info("%s: layer %d/%d, %.0f s elapsed, %.1f s per layer (%.1f CPU s), ETA %.0f s", request.method,
+                     done, total, now - started, per_layer, cpu_per_layer, per_layer * (total - done))
 
     try:
         with progress:

@@ -14,17 +14,28 @@ r = 0 (s = 1) is always a candidate, so the search never does worse than plain r
 on its own measure.
 
 Both searches measure the error on the layer's real calibration inputs. The scale search
-uses a stride sample of the tokens (`search_tokens`); the clip search is exact over all
-tokens through each group's Gram block X_g^T X_g (the error of a group's weights e is
-e X_g^T X_g e^T), which costs one small matmul per grid point instead of a pass over
-the tokens.
+uses a stride sample of the tokens (`search_tokens`; the activation statistic mean|x| is
+over all of them) and multiplies the sample by each candidate's weight error W_hat - W
+(computed exactly in float32), one product per candidate instead of two; `linear` runs
+that product (the CPU backend's bf16 math where it is fast: the error matrix rounded to
+bf16 changes the loss by ~2^-8 of itself, far below the gaps between candidates). The clip
+search is exact over all tokens through each group's Gram block X_g^T X_g (the error of a
+group's weights e is e X_g^T X_g e^T), which costs one small matmul per grid point instead
+of a pass over the tokens. Both walk the weight in blocks of output rows (a row's losses
+do not depend on other rows), so their temporaries stay a few tens of MB at any width.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+import torch.nn.functional as F
 
 from llmopt.quant.quantizer import QuantScheme, fake_quantize
+
+
+ROW_BLOCK_ELEMENTS = 1 << 22  # weights per block of output rows in the searches (16 MiB in float32)
 
 
 def token_sample(x: torch.Tensor, max_tokens: int) -> torch.Tensor:
@@ -33,34 +44,50 @@ def token_sample(x: torch.Tensor, max_tokens: int) -> torch.Tensor:
     return x[::step]
 
 
+def row_blocks(out_features: int, in_features: int) -> list[slice]:
+    rows = max(1, ROW_BLOCK_ELEMENTS // in_features)
+    return [slice(r, min(r + rows, out_features)) for r in range(0, out_features, rows)]
+
+
 def search_scale(x: torch.Tensor, weight: torch.Tensor, scheme: QuantScheme, n_grid: int = 20,
-                 search_tokens: int = 1024) -> tuple[torch.Tensor, float]:
-    """Per-input-channel scales s [in] for `weight` [out, in] fed by `x` [n, in]; and the ratio r chosen."""
+                 search_tokens: int = 1024, linear: Callable = F.linear) -> tuple[torch.Tensor, float]:
+    """Per-input-channel scales s [in] for `weight` [out, in] fed by `x` [n, in]; and the ratio r chosen.
+    `linear(a, b)` computes a @ b.T in float32 (see the module docstring)."""
     w = weight.float()
     out_features, n = w.shape
-    x_mean = x.abs().float().mean(dim=0)
+    x_mean = torch.linalg.vector_norm(x.float(), ord=1, dim=0) / x.shape[0]  # mean |x| without an |x| copy
     width = scheme.group_width(n)
     grouped = w.abs().reshape(out_features, n // width, width)
     w_mean = (grouped / (grouped.amax(dim=-1, keepdim=True) + 1e-6)).reshape(out_features, n).mean(dim=0)
-    xs = token_sample(x.float(), search_tokens)
-    reference = xs @ w.t()
+    del grouped
+    xs = token_sample(x.float(), search_tokens).contiguous()
+    blocks = row_blocks(out_features, n)
     best = (float("inf"), torch.ones(n), 0.0)
     for step in range(n_grid):
         ratio = step / n_grid
         s = (x_mean.pow(ratio) / (w_mean.pow(1 - ratio) + 1e-4)).clamp(min=1e-4)
         s = s / (s.max() * s.min()).sqrt()
-        w_hat = fake_quantize(w * s, scheme).div_(s)
-        loss = (xs @ w_hat.t()).sub_(reference).pow_(2).mean().item()
+        loss = 0.0
+        for rows in blocks:
+            wb = w[rows]
+            error = fake_quantize(wb * s, scheme).div_(s).sub_(wb)  # W_hat - W, exact in float32
+            loss += linear(xs, error).pow_(2).sum().item()
         if loss < best[0]:
             best = (loss, s, ratio)
     return best[1], best[2]
 
 
-def group_gram(x: torch.Tensor, width: int) -> torch.Tensor:
-    """X_g^T X_g for each group of `width` input channels: [groups, width, width]."""
+def group_gram(x: torch.Tensor, width: int, groups_per_pass: int = 16) -> torch.Tensor:
+    """X_g^T X_g for each group of `width` input channels: [groups, width, width] (float32; a few
+    groups at a time, so no full copy of x)."""
     n, in_features = x.shape
-    xg = x.float().reshape(n, in_features // width, width).permute(1, 0, 2)  # [groups, n, width]
-    return xg.transpose(1, 2) @ xg
+    groups = in_features // width
+    gram = torch.empty(groups, width, width)
+    for g in range(0, groups, groups_per_pass):
+        k = min(groups_per_pass, groups - g)
+        xg = x[:, g * width:(g + k) * width].float().reshape(n, k, width).permute(1, 0, 2)  # [k, n, width]
+        torch.bmm(xg.transpose(1, 2), xg, out=gram[g:g + k])
+    return gram
 
 
 def search_clip(x: torch.Tensor, weight: torch.Tensor, scheme: QuantScheme, rows: torch.Tensor | None = None,
@@ -74,19 +101,22 @@ def search_clip(x: torch.Tensor, weight: torch.Tensor, scheme: QuantScheme, rows
     out_features, n = w.shape
     width = scheme.group_width(n)
     gram = group_gram(x, width)  # [groups, width, width]
-    grouped = w.reshape(out_features, n // width, width)
-    max_abs = grouped.abs().amax(dim=-1, keepdim=True)
-    best_err = torch.full((out_features, n // width, 1), float("inf"))
-    best_max = max_abs.clone()
-    for step in range(int(max_shrink * n_grid)):
-        limit = max_abs * (1 - step / n_grid)
-        clipped = torch.maximum(torch.minimum(grouped, limit), -limit)
-        err = grouped - fake_quantize(clipped.reshape(out_features, n), scheme).reshape_as(grouped)
-        e = err.permute(1, 0, 2)  # [groups, out, width]
-        loss = ((e @ gram) * e).sum(dim=-1).t().unsqueeze(-1)  # [out, groups, 1]
-        better = loss < best_err
-        best_err = torch.where(better, loss, best_err)
-        best_max = torch.where(better, limit, best_max)
-    if rows is not None:
-        best_max = torch.where(rows[:, None, None], best_max, max_abs)
-    return torch.maximum(torch.minimum(grouped, best_max), -best_max).reshape(out_features, n)
+    result = torch.empty(out_features, n)
+    for block in row_blocks(out_features, n):
+        grouped = w[block].reshape(-1, n // width, width)
+        max_abs = grouped.abs().amax(dim=-1, keepdim=True)
+        best_err = torch.full_like(max_abs, float("inf"))
+        best_max = max_abs.clone()
+        for step in range(int(max_shrink * n_grid)):
+            limit = max_abs * (1 - step / n_grid)
+            clipped = torch.clamp(grouped, -limit, limit)
+            err = fake_quantize(clipped.reshape(-1, n), scheme).reshape_as(grouped).neg_().add_(grouped)
+            e = err.transpose(0, 1)  # [groups, rows, width]
+            loss = (torch.bmm(e, gram) * e).sum(dim=-1).t().unsqueeze(-1)  # [rows, groups, 1]
+            better = loss < best_err
+            best_err = torch.where(better, loss, best_err)
+            best_max = torch.where(better, limit, best_max)
+        if rows is not None:
+            best_max = torch.where(rows[block, None, None], best_max, max_abs)
+        result[block] = torch.clamp(grouped, -best_max, best_max).reshape(-1, n)
+    return result

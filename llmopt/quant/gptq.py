@@ -9,14 +9,20 @@ yet quantized.
 Done in blocks of columns with lazy updates of the rest (the paper's trick for speed),
 using the upper Cholesky factor of H^-1. Dead inputs (H_jj = 0) are zeroed. When the
 Cholesky factorisation fails, the damping is raised tenfold and retried.
+
+H is [in, in] float32: 822 MB for an 8B model's down_proj (in = 14336). `gptq_quantize`
+takes it over (damps its diagonal in place, drops it once factored) and keeps at most two
+such matrices alive at once.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from llmopt.errors import LlmoptError
 from llmopt.core.threads import one_thread
@@ -31,27 +37,45 @@ class GPTQStats:
     retries: int
 
 
-def hessian(x: torch.Tensor) -> torch.Tensor:
-    """2/n X^T X over the token rows of x [n, in] (float32)."""
-    x = x.float()
-    return (2.0 / x.shape[0]) * (x.t() @ x)
+HESSIAN_TOKENS = 2048  # token rows per product when `hessian` is given a kernel
+
+
+def hessian(x: torch.Tensor, linear: Callable | None = None) -> torch.Tensor:
+    """2/n X^T X over the token rows of x [n, in] (float32). `linear(a, b)` = a @ b.T (a kernel
+    such as the CPU backend's bf16 math) runs it over blocks of token rows, summed in float32;
+    None: one float32 product."""
+    n = x.shape[0]
+    if linear is None or linear is F.linear:
+        return (x.float().t() @ x.float()).mul_(2.0 / n)
+    h = None
+    for start in range(0, n, HESSIAN_TOKENS):
+        xt = x[start:start + HESSIAN_TOKENS].float().t()
+        part = linear(xt, xt)
+        h = part if h is None else h.add_(part)
+    return h.mul_(2.0 / n)
 
 
 def gptq_quantize(
     weight: torch.Tensor, h: torch.Tensor, scheme: QuantScheme, desc_act: bool = False,
     damp_percent: float = 0.1, block_size: int = 128,
 ) -> tuple[QuantizedWeight, GPTQStats]:
+    """`h` (from `hessian`) is used up: its diagonal is changed in place (pass a copy to keep it)."""
     w = weight.detach().float().clone()
     out_features, n = w.shape
-    h = h.clone()
-    dead = torch.diag(h) == 0
-    h[dead, dead] = 1
+    diag = h.diagonal()
+    dead = diag == 0
+    diag[dead] = 1
     w[:, dead] = 0
 
-    perm = torch.argsort(torch.diag(h), descending=True) if desc_act else torch.arange(n)
-    w, h = w[:, perm], h[perm][:, perm]
+    if desc_act:
+        perm = torch.argsort(diag, descending=True)
+        w, h = w[:, perm], h[perm[:, None], perm[None, :]]  # one gather, no [perm] then [:, perm] copy
+    else:
+        perm = torch.arange(n)
+    del diag
     with one_thread():  # small factorisations: see threads.py
         hinv, stats = _inverse_hessian_factor(h, damp_percent)
+    del h
 
     width = scheme.group_width(n)
     if scheme.group_size > 0:  # let groups never straddle a block: their grid is set from in-block columns
@@ -94,16 +118,19 @@ def _quantize_block(w, hinv, start: int, end: int, scheme: QuantScheme, width: i
 
 
 def _inverse_hessian_factor(h: torch.Tensor, damp_percent: float) -> tuple[torch.Tensor, GPTQStats]:
-    """Upper Cholesky factor of (H + damp * mean(diag H) * I)^-1, raising damp until it exists."""
-    mean_diag = torch.mean(torch.diag(h))
+    """Upper Cholesky factor of (H + damp * mean(diag H) * I)^-1, raising damp until it exists.
+    Computed in `h`'s own storage (returned): the damping goes onto its diagonal, and once the
+    first factorisation succeeds the rest overwrite it in place."""
+    diag = h.diagonal()
+    mean_diag = torch.mean(diag)
     damp, retries = damp_percent, 0
-    eye = torch.eye(h.shape[0])
     while True:
+        added = damp * mean_diag
+        diag.add_(added)
         try:
-            lower = torch.linalg.cholesky(h + damp * mean_diag * eye)
-            hinv = torch.cholesky_inverse(lower)
-            return torch.linalg.cholesky(hinv, upper=True), GPTQStats(damp_percent=damp, retries=retries)
+            lower = torch.linalg.cholesky(h)  # a new matrix: h stays intact for a retry
         except torch.linalg.LinAlgError:
+            diag.sub_(added)
             if retries >= 6:
                 raise LlmoptError(
                     f"GPTQ: the Hessian is not positive definite even with damping {damp:g}; "
@@ -112,3 +139,9 @@ def _inverse_hessian_factor(h: torch.Tensor, damp_percent: float) -> tuple[torch
             retries += 1
             damp *= 10
             log.warning("GPTQ: Cholesky failed, retrying with damp_percent=%g", damp)
+            continue
+        h.copy_(lower)
+        del lower
+        torch.cholesky_inverse(h, out=h)
+        torch.linalg.cholesky(h, upper=True, out=h)
+        return h, GPTQStats(damp_percent=damp, retries=retries)

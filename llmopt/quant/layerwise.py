@@ -16,15 +16,24 @@ activation scale.
 AWQ's input scaling is applied inside the hook too (the hook hands the linear x / s) and
 folded afterwards where a real model would apply it: into the preceding norm's weight,
 or into the rows of the linear that feeds this one (their grid scales divide by s, which
-is exact on the integer grid since scales are per output row).
+is exact on the integer grid since scales are per output row). The hook scales its input
+in place: every site's input is a temporary only that linear reads (`llama.py`), and at
+8B a second copy of the MLP's [tokens x intermediate] input would cost ~1 GB.
+
+`matmul` (the backend's `fp32_prefill_linear` under `--fp32-matmul-precision`, or None for
+`F.linear`) runs the calibration's large float32 products: AWQ's scale-search losses,
+GPTQ's Hessian, the reported output errors; the forward's linears take it through
+`DenseLinear.use_prefill_kernel` (`streaming.py`).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
 from llmopt.core.config import ModelConfig
 from llmopt.core.fp8_weight import Fp8Weight, fp8_scale, quantize_fp8
@@ -44,6 +53,7 @@ class MethodOptions:
     keep_unrounded: bool = False  # AWQ: keep the scaled, clipped weights before rounding (for GGUF export)
     search_tokens: int = 512  # AWQ scale search: a stride sample of the tokens (AutoAWQ's clip search uses 512)
     fp8_scheme: str = "FP8_DYNAMIC"  # method fp8: llm-compressor's FP8_DYNAMIC or FP8 (static activations)
+    fp32_matmul_precision: str = "ieee"  # float32 calibration products: "auto", "ieee" or "bf16" (module docstring)
 
     @property
     def calibrated(self) -> bool:
@@ -117,11 +127,13 @@ LAYER_SITES = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "ml
 @torch.inference_mode()
 def quantize_decoder_layer(config: ModelConfig, layer: DecoderLayer, index: int, x: torch.Tensor | None,
                            cos: torch.Tensor | None, sin: torch.Tensor | None, attn: EqualLengthAttention | None,
-                           options: MethodOptions) -> tuple[torch.Tensor | None, list[QuantizedSite]]:
+                           options: MethodOptions, matmul: Callable | None = None
+                           ) -> tuple[torch.Tensor | None, list[QuantizedSite]]:
     """Quantize the four linears of decoder layer `index` in place (AWQ also folds its scales
     into the layer's norms and feeding rows). `x` is the layer's calibration input (the
     previous, already quantized layer's output; None for RTN, which needs no data): returns
-    the quantized layer's output on it, and the layer's sites in order."""
+    the quantized layer's output on it, and the layer's sites in order. `matmul`: see the module
+    docstring."""
     prefix = f"model.layers.{index}"
     if options.method == "rtn":
         return x, [_rtn_site(f"{prefix}.{local}", layer.get_submodule(local), options.scheme) for local in LAYER_SITES]
@@ -130,7 +142,8 @@ def quantize_decoder_layer(config: ModelConfig, layer: DecoderLayer, index: int,
                    for local in LAYER_SITES]
     done: dict[str, QuantizedSite] = {}
     handles = [layer.get_submodule(local).register_forward_pre_hook(
-        _hook(config, layer, f"{prefix}.{local}", layer.get_submodule(local), options, done)) for local in LAYER_SITES]
+        _hook(config, layer, f"{prefix}.{local}", layer.get_submodule(local), options, done, matmul))
+        for local in LAYER_SITES]
     try:
         x = layer(x, cos, sin, attn)
     finally:
@@ -141,7 +154,7 @@ def quantize_decoder_layer(config: ModelConfig, layer: DecoderLayer, index: int,
 
 @torch.inference_mode()
 def quantize_output_layer(config: ModelConfig, norm, lm_head, x: torch.Tensor | None,
-                          options: MethodOptions) -> QuantizedSite:
+                          options: MethodOptions, matmul: Callable | None = None) -> QuantizedSite:
     """Quantize the output projection `lm_head` in place; GPTQ/AWQ see a sample of the final
     hidden states `x` (after `norm`)."""
     if options.method == "rtn":
@@ -149,7 +162,7 @@ def quantize_output_layer(config: ModelConfig, norm, lm_head, x: torch.Tensor | 
     if options.method == "fp8" and not options.calibrated:
         return _fp8_site(config, "lm_head", lm_head, options)
     done: dict[str, QuantizedSite] = {}
-    handle = lm_head.register_forward_pre_hook(_hook(config, None, "lm_head", lm_head, options, done))
+    handle = lm_head.register_forward_pre_hook(_hook(config, None, "lm_head", lm_head, options, done, matmul))
     try:
         lm_head(norm(x)[:: max(1, x.shape[0] // 4096)])
     finally:
@@ -157,48 +170,55 @@ def quantize_output_layer(config: ModelConfig, norm, lm_head, x: torch.Tensor | 
     return done["lm_head"]
 
 
-def _hook(config: ModelConfig, layer, name: str, module, options: MethodOptions, done: dict[str, QuantizedSite]):
+def _hook(config: ModelConfig, layer, name: str, module, options: MethodOptions, done: dict[str, QuantizedSite],
+          matmul: Callable | None):
     def pre_hook(mod, args):
         (x,) = args
         flat = x.reshape(-1, x.shape[-1]).float()
-        qsite, x_used = _quantize_site(config, layer, name, module, flat, options, done)
+        qsite, x_used = _quantize_site(config, layer, name, module, flat, options, done, matmul or F.linear)
         done[name] = qsite
         return (x_used.reshape(x.shape).to(x.dtype),)
 
     return pre_hook
 
 
-def _quantize_site(config: ModelConfig, layer, name, module, x, options: MethodOptions, done) -> tuple[QuantizedSite, torch.Tensor]:
+def _quantize_site(config: ModelConfig, layer, name, module, x, options: MethodOptions, done,
+                   linear: Callable) -> tuple[QuantizedSite, torch.Tensor]:
+    """Quantize `module`'s weight on its input `x` [tokens, in] (float32; AWQ scales it in place,
+    see the module docstring); returns the site and the input the linear then runs on."""
     if options.method == "fp8":  # static activations: the input's absmax over every calibration token
         return _fp8_site(config, name, module, options, fp8_scale(x.abs().amax()).reshape(1)), x
     start = time.perf_counter()
     w = module.weight.detach().float().clone()  # the module's weight is overwritten below
     scheme, details, unrounded = options.scheme, {}, None
-    x_used = x
+    xs = awq.token_sample(x, 1024).clone()  # the reported error's sample: a copy, as AWQ scales x in place below
+    reference = linear(xs, w)
     if options.method == "awq":
         s = torch.ones(w.shape[1])
         fold = _awq_fold_target(config, layer, name, done)
         if fold is not None:
-            s, ratio = awq.search_scale(x, w, scheme, options.n_grid, options.search_tokens)
+            s, ratio = awq.search_scale(x, w, scheme, options.n_grid, options.search_tokens, linear)
             details["scale_ratio"] = ratio
             fold(s)
-            x_used = x / s
-        w_scaled = w * s
+            x.div_(s)
+            xs.div_(s)
+            w.mul_(s)
         rows = _clip_rows(config, name, w.shape[0])
-        w_clipped = awq.search_clip(x_used, w_scaled, scheme, rows, options.n_grid)
+        w_clipped = awq.search_clip(x, w, scheme, rows, options.n_grid)
         qweight = quantize_rtn(w_clipped, scheme)
         unrounded = w_clipped if options.keep_unrounded else None
+        del w_clipped
     else:  # gptq
-        qweight, stats = gptq.gptq_quantize(w, gptq.hessian(x), scheme, options.desc_act, options.damp_percent)
+        qweight, stats = gptq.gptq_quantize(w, gptq.hessian(x, linear), scheme, options.desc_act,
+                                            options.damp_percent)
         details.update(damp_percent=stats.damp_percent, damp_retries=stats.retries)
     w_hat = qweight.dequantize()
     module.weight.copy_(w_hat.to(module.weight.dtype))
-    xs = awq.token_sample(x, 1024)
-    reference = xs @ w.t()
-    xs_used = awq.token_sample(x_used, 1024)
-    error = ((xs_used @ w_hat.t() - reference).pow(2).sum() / reference.pow(2).sum().clamp(min=1e-12)).item()
+    # ||X W^T - X_used W_hat^T||^2 / ||X W^T||^2, with X_used W^T = X W^T (AWQ: W was scaled by s, X by 1/s)
+    output_error = linear(xs, w_hat.sub_(w))
+    error = (output_error.pow(2).sum() / reference.pow(2).sum().clamp(min=1e-12)).item()
     details["seconds"] = round(time.perf_counter() - start, 3)
-    return QuantizedSite(name=name, weight=qweight, relative_error=error, details=details, unrounded=unrounded), x_used
+    return QuantizedSite(name=name, weight=qweight, relative_error=error, details=details, unrounded=unrounded), x
 
 
 def _awq_fold_target(config: ModelConfig, layer, name: str, done: dict[str, QuantizedSite]):

@@ -3,7 +3,8 @@ stated before any weight is read, and a refusal (exit 2, one line with both numb
 cannot fit, instead of the kernel's OOM killer an hour in.
 
 The estimate follows what is resident at the peak of the streaming path (`streaming.py`):
-one decoder layer in the compute dtype and the quantizer's copies of its largest weight;
+one decoder layer in the compute dtype and the quantizer's copies of its largest weight
+(GPTQ: two [in, in] float32 matrices of its widest input, the Hessian and its factor);
 the calibration activations (the residual stream, the MLP's intermediates and the
 quantizer's float32 copy of a linear's input, all [samples x seq_len, width]); a chunk of
 the embedding table; and the interpreter with torch loaded. `--calib self` needs the whole
@@ -78,12 +79,17 @@ def quantize_plan(config: ModelConfig, method: str, fmt: str, num_samples: int, 
     else:
         parts["layer"] = layer * b + 3 * largest * 4
         parts["embedding chunk"] = 8192 * h * 8
+    if method == "gptq":
+        # the widest input's Hessian [in, in] float32 and the factorisation's second matrix (gptq.py)
+        parts["hessian"] = 2 * max(h, q, i) ** 2 * 4
     if calibrated:
         tokens = num_samples * seq_len
-        # at down_proj's hook: the residual and normed input (h each) and the MLP product (i) in
-        # the compute dtype; AWQ's scaled input and the clip search's grouped copy (i each, float32),
-        # and the hook's float32 copy of the input where the compute dtype is not float32
-        parts["activations"] = tokens * ((2 * h + i) * b + 2 * i * 4 + (i * 4 if b != 4 else 0))
+        # the residual and the MLP's normed input (h each) beside, at the larger of: gate/up's output
+        # and its silu product (2i + i) in the compute dtype; or at down_proj's hook the product (i),
+        # the hook's float32 copy of it where the compute dtype is not float32 (AWQ scales that copy
+        # in place) and the bf16 copy the backend's bf16 products make of it
+        at_hook = i * b + (i * 4 if b != 4 else 0) + i * 2
+        parts["activations"] = tokens * (2 * h * b + max(3 * i * b, at_hook))
         parts["attention"] = tokens * (q + 2 * kv) * b * 2
     if fmt == "gguf" and method != "gguf":
         # AWQ's scaled weights before rounding, kept for the GGUF types to round; one tensor's GGUF copy

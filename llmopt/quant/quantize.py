@@ -37,7 +37,9 @@ from llmopt.core.source import load_tokenizer
 from llmopt.core.weights import DEFAULT_MAX_SHARD_SIZE, CheckpointReader, SafetensorsShardWriter, parse_shard_size
 from llmopt.core.output_paths import check_output
 from llmopt.errors import LlmoptError
+from llmopt.kernels.cpu_linear import FP32_MATMUL_PRECISIONS
 from llmopt.loader import load
+from llmopt.model.backends import select_backend
 from llmopt.options import option
 from llmopt.quant.calibration import CalibrationData, TextModel, load_calibration
 from llmopt.quant.layerwise import MethodOptions, checkpoint_tensors
@@ -88,6 +90,11 @@ class QuantizeRequest:
     dtype: str = option("float32", "Compute dtype of the calibration forward: float32, bfloat16 or float16 "
                         "(bfloat16 halves the layer and activation memory; float32 follows the model's math exactly).",
                         choices=tuple(DTYPES))
+    fp32_matmul_precision: str = option(
+        "auto", "What the calibration's large float32 products compute in (the forward's linears, AWQ's scale "
+        "search, GPTQ's Hessian): ieee (float32); bf16 (bfloat16 inputs, float32 sums: AMX / AVX512-BF16, several "
+        "times the float32 rate); auto: bf16 where the CPU has AMX-BF16 or AVX512-BF16, else ieee "
+        "(as the engine's flag).", choices=FP32_MATMUL_PRECISIONS)
     max_shard_size: str = option(DEFAULT_MAX_SHARD_SIZE, "Largest safetensors file (e.g. 5GB, 500MB): a larger "
                                  "checkpoint is split into shards with model.safetensors.index.json, as transformers does.")
 
@@ -123,6 +130,8 @@ class QuantizeReport:
     size_after_bytes: int
     layers: list[dict[str, Any]] = field(default_factory=list)
     layer_seconds: list[float] = field(default_factory=list)  # wall time of each decoder layer, in order
+    # the process's CPU time per layer (all threads): on a shared machine a steadier measure than wall time
+    layer_cpu_seconds: list[float] = field(default_factory=list)
     memory_plan: dict[str, Any] = field(default_factory=dict)  # the RAM estimated before the run (memory_plan.py)
     mean_relative_error: float | None = None
     source: str = ""
@@ -172,6 +181,9 @@ def validate(req: QuantizeRequest) -> None:
         raise LlmoptError(f"--damp-percent must be in (0, 1), got {req.damp_percent}")
     if req.dtype not in DTYPES:
         raise LlmoptError(f"unknown --dtype {req.dtype!r}; choose one of: {', '.join(DTYPES)}")
+    if req.fp32_matmul_precision not in FP32_MATMUL_PRECISIONS:
+        raise LlmoptError(f"unknown --fp32-matmul-precision {req.fp32_matmul_precision!r}; choose one of: "
+                          f"{', '.join(FP32_MATMUL_PRECISIONS)}")
     parse_shard_size(req.max_shard_size)
     check_output(req.output, req.overwrite)  # new or llmopt's own, and writable: found out before the work
 
@@ -239,7 +251,7 @@ def quantize(req: QuantizeRequest, on_layer: Callable[[int, int], None] | None =
     t_quant = time.perf_counter()
     options = None if req.method == "gguf" else MethodOptions(
         method=req.method, scheme=scheme, desc_act=req.resolved_desc_act(), damp_percent=req.damp_percent,
-        keep_unrounded=fmt == "gguf", fp8_scheme=req.fp8_scheme)
+        keep_unrounded=fmt == "gguf", fp8_scheme=req.fp8_scheme, fp32_matmul_precision=req.fp32_matmul_precision)
     plan = output_plan(config, fmt, options, req.quantize_lm_head)
     untied = req.quantize_lm_head and options is not None and config.tie_word_embeddings
     stream = dict(quantize_lm_head=req.quantize_lm_head, dtype=dtype, device=device, on_layer=on_layer)
@@ -276,13 +288,15 @@ def quantize(req: QuantizeRequest, on_layer: Callable[[int, int], None] | None =
                     "scheme": req.fp8_scheme if req.method == "fp8" else None, "desc_act": req.resolved_desc_act(),
                     "damp_percent": req.damp_percent if req.method == "gptq" else None,
                     "gguf_type": req.gguf_type if fmt == "gguf" else None, "quantize_lm_head": req.quantize_lm_head,
-                    "device": str(device), "dtype": req.dtype},
+                    "device": str(device), "dtype": req.dtype,
+                    "fp32_matmul": _fp32_matmul(req, dtype, device) if calibrated else None},
         calibration=calib_info, seed=req.seed, wall_seconds=round(time.perf_counter() - start, 3),
         calibration_seconds=round(calib_seconds, 3), quantize_seconds=round(quant_seconds, 3),
         peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         size_before_bytes=_source_size(source), size_after_bytes=size_after,
         layers=[{"name": s.name, "relative_error": s.relative_error, **s.details} for s in sites],
-        layer_seconds=streamed.layer_seconds, memory_plan=memory.to_dict(),
+        layer_seconds=streamed.layer_seconds, layer_cpu_seconds=streamed.layer_cpu_seconds,
+        memory_plan=memory.to_dict(),
         mean_relative_error=sum(errors) / len(errors) if errors else None,
         source=source.origin or str(source.path),
     )
@@ -290,6 +304,13 @@ def quantize(req: QuantizeRequest, on_layer: Callable[[int, int], None] | None =
     with atomic_file(report_path) as tmp:
         tmp.write_text(json.dumps(report.to_dict(), indent=2), encoding="utf-8")
     return report
+
+
+def _fp32_matmul(req: QuantizeRequest, dtype: torch.dtype, device: torch.device) -> str:
+    """What the calibration's float32 products computed in: "bf16" or "ieee" (`--fp32-matmul-precision`
+    resolved on this machine)."""
+    kernel = select_backend(device, dtype).fp32_prefill_linear(req.fp32_matmul_precision)
+    return "ieee" if kernel is None else "bf16"
 
 
 def _memory_hint(req: QuantizeRequest) -> str:

@@ -38,7 +38,7 @@ from llmopt.core.weights import CheckpointReader, TensorSpec
 from llmopt.errors import LlmoptError
 from llmopt.model.attention import EqualLengthAttention
 from llmopt.model.backends import select_backend
-from llmopt.model.linear import make_linear
+from llmopt.model.linear import DenseLinear, make_linear
 from llmopt.model.llama import MLP, Attention, DecoderLayer, LlamaForCausalLM, RMSNorm, checkpoint_names
 from llmopt.model.rope import RotaryEmbedding
 from llmopt.quant.layerwise import (MethodOptions, QuantizedSite, checkpoint_tensors, part_slice,
@@ -72,6 +72,7 @@ class SiteReport:
 class StreamedQuantization:
     sites: list[SiteReport]
     layer_seconds: list[float] = field(default_factory=list)
+    layer_cpu_seconds: list[float] = field(default_factory=list)  # the process's CPU time (all threads)
 
 
 def output_plan(config: ModelConfig, fmt: str, options: MethodOptions | None, quantize_lm_head: bool) -> list[TensorSpec]:
@@ -117,7 +118,10 @@ def stream_quantize(reader: CheckpointReader, config: ModelConfig, input_ids: to
     AWQ/GPTQ and FP8's static activation scales."""
     _check_present(reader, config, quantize_lm_head)
     # the kernel backend's ops run the calibration forward; a plain copy needs none (nor their build)
-    ops = None if options is None else select_backend(device, dtype).decoder_ops(dtype)
+    backend = None if options is None else select_backend(device, dtype)
+    ops = None if backend is None else backend.decoder_ops(dtype)
+    # float32 products of the calibration in the backend's bf16 math where --fp32-matmul-precision says so
+    matmul = None if backend is None else backend.fp32_prefill_linear(options.fp32_matmul_precision)
     dense_dtype = torch.float32 if fmt == "gguf" else torch.float16
     calibrated = options is not None and options.calibrated
     x = _embeddings(reader, sink, input_ids if calibrated else None, dtype, device, dense_dtype)
@@ -132,18 +136,19 @@ def stream_quantize(reader: CheckpointReader, config: ModelConfig, input_ids: to
     if on_layer:
         on_layer(0, total)  # the layers start now: progress and ETA count from here, not from start-up
     for i in range(total):
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         prefix = f"model.layers.{i}"
         if options is None:
             _copy_layer(reader, config, i, sink, dense_dtype)
         else:
-            layer = _read_layer(reader, config, i, dtype, device, ops)
-            x, sites = quantize_decoder_layer(config, layer, i, x, cos, sin, attn, options)
+            layer = _read_layer(reader, config, i, dtype, device, ops, matmul)
+            x, sites = quantize_decoder_layer(config, layer, i, x, cos, sin, attn, options, matmul)
             _emit(sink, config, layer, prefix, sites, fmt, dense_dtype)
             result.sites.extend(SiteReport.of(site) for site in sites)
             del layer, sites
         release_freed_memory()
         result.layer_seconds.append(round(time.perf_counter() - start, 3))
+        result.layer_cpu_seconds.append(round(time.process_time() - cpu_start, 3))
         if on_layer:
             on_layer(i + 1, total)
     head_source = EMBED if config.tie_word_embeddings else "lm_head.weight"
@@ -159,7 +164,8 @@ def stream_quantize(reader: CheckpointReader, config: ModelConfig, input_ids: to
         with torch.device("meta"):
             lm_head = make_linear(config.hidden_size, config.vocab_size, bias=False)
         lm_head.load_state_dict({"weight": reader.get(head_source).to(device=device, dtype=dtype)}, assign=True)
-        site = quantize_output_layer(config, norm, lm_head, x, options)
+        lm_head.use_prefill_kernel(matmul)
+        site = quantize_output_layer(config, norm, lm_head, x, options, matmul)
         _emit(sink, config, lm_head, "lm_head", [site], fmt, dense_dtype)
         result.sites.append(SiteReport.of(site))
     elif not config.tie_word_embeddings:
@@ -224,8 +230,9 @@ def _copy_rows(reader: CheckpointReader, source: str, name: str, sink: TensorSin
 
 
 def _read_layer(reader: CheckpointReader, config: ModelConfig, index: int, dtype: torch.dtype,
-                device: torch.device, ops) -> DecoderLayer:
-    """Decoder layer `index` with its checkpoint tensors, as `loader.build_model` builds it."""
+                device: torch.device, ops, matmul=None) -> DecoderLayer:
+    """Decoder layer `index` with its checkpoint tensors, as `loader.build_model` builds it;
+    its float32 linears run prompt-sized products through `matmul` where given."""
     with torch.device("meta"):
         layer = DecoderLayer(config, index)
     prefix = f"model.layers.{index}."
@@ -247,6 +254,8 @@ def _read_layer(reader: CheckpointReader, config: ModelConfig, index: int, dtype
     for module in layer.modules():
         if isinstance(module, (RMSNorm, Attention, MLP)):
             module.ops = ops
+        elif isinstance(module, DenseLinear):
+            module.use_prefill_kernel(matmul)
     return layer.eval()
 
 
