@@ -364,26 +364,36 @@ model.save_pretrained(sys.argv[2], save_compressed=True)
 """
 
 
-def test_llm_compressor_fp8_dynamic_equals_ours(tiny_models, fp8_dynamic, tmp_path):
-    """llm-compressor's own `oneshot` FP8_DYNAMIC on the same model: the same bytes, and llmopt loads
-    its folder. llmcompressor 0.14 pins transformers <= 5.17, so it is not a test extra: this runs
-    with it installed here, or in another environment whose Python LLMOPT_LLMCOMPRESSOR_PYTHON
-    names (e.g. a venv with `pip install llmcompressor`), in a subprocess."""
+def _run_llmcompressor(script: str, *args: str) -> str:
+    """`script` run with `args` by a Python that has llmcompressor; its stdout. llmcompressor 0.14 pins
+    transformers <= 5.17, so it is not a test extra: the tests that need it run with it installed
+    here, or in another environment whose Python LLMOPT_LLMCOMPRESSOR_PYTHON names (e.g. a venv with
+    `pip install llmcompressor`), in a subprocess; they skip elsewhere."""
     python = os.environ.get("LLMOPT_LLMCOMPRESSOR_PYTHON")
     if importlib.util.find_spec("llmcompressor") is not None:
         python = sys.executable
     elif not python:
         pytest.skip("llmcompressor is not installed (0.14 pins transformers <= 5.17, which would move this "
                     "environment's transformers); set LLMOPT_LLMCOMPRESSOR_PYTHON to a Python that has it")
-    folder = tiny_models["llama"]
-    out = tmp_path / "llmcompressor"
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # its own packages, not this checkout's
-    proc = subprocess.run([python, "-c", LLMCOMPRESSOR_ONESHOT, str(folder), str(out)], capture_output=True,
-                          text=True, env=env, timeout=900)
+    proc = subprocess.run([python, "-c", script, *args], capture_output=True, text=True, env=env, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
+def _copy_tokenizer(folder, out) -> None:
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         if (folder / name).exists():
             (out / name).write_bytes((folder / name).read_bytes())
+
+
+def test_llm_compressor_fp8_dynamic_equals_ours(tiny_models, fp8_dynamic, tmp_path):
+    """llm-compressor's own `oneshot` FP8_DYNAMIC on the same model: the same bytes, and llmopt loads
+    its folder."""
+    folder = tiny_models["llama"]
+    out = tmp_path / "llmcompressor"
+    _run_llmcompressor(LLMCOMPRESSOR_ONESHOT, str(folder), str(out))
+    _copy_tokenizer(folder, out)
     theirs, ours = load_safetensors(sorted(out.glob("*.safetensors"))), load_safetensors([fp8_dynamic / "model.safetensors"])
     for layer in range(3):
         for proj in PROJECTIONS:
@@ -395,3 +405,68 @@ def test_llm_compressor_fp8_dynamic_equals_ours(tiny_models, fp8_dynamic, tmp_pa
     mine = hf_state_dict(load(str(fp8_dynamic), int4_kernels=False).model)
     got = hf_state_dict(loaded.model)
     assert all(torch.equal(got[f"model.layers.0.{p}.weight"], mine[f"model.layers.0.{p}.weight"]) for p in PROJECTIONS)
+
+
+# GPTQModifier W4A16 (symmetric int4 groups; group 32, as the tiny model's 64-wide rows need) on
+# random calibration rows; then the saved folder reloaded by transformers (compressed-tensors
+# decompresses it) and decoded greedily, one full forward per token, with each step's top-2 gap and
+# the log-probabilities of every position of prompt + answer.
+LLMCOMPRESSOR_GPTQ_W4A16 = """
+import json, sys
+import torch
+from datasets import Dataset
+from llmcompressor import oneshot
+from llmcompressor.modifiers.quantization import GPTQModifier
+from transformers import AutoModelForCausalLM
+
+src, out, prompt, steps = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), int(sys.argv[4])
+model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+g = torch.Generator().manual_seed(0)
+rows = torch.randint(3, model.config.vocab_size, (16, 64), generator=g).tolist()
+calib = Dataset.from_dict({"input_ids": rows, "attention_mask": [[1] * 64 for _ in rows]})
+weights = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32}
+recipe = GPTQModifier(config_groups={"group_0": {"targets": ["Linear"], "weights": weights}}, ignore=["lm_head"])
+oneshot(model=model, dataset=calib, recipe=recipe, num_calibration_samples=16, max_seq_length=64)
+model.save_pretrained(out, save_compressed=True)
+model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+ids, gaps = list(prompt), []
+with torch.no_grad():
+    for _ in range(steps):
+        top = torch.log_softmax(model(torch.tensor([ids])).logits[0, -1].float(), -1).topk(2)
+        gaps.append(float(top.values[0] - top.values[1]))
+        ids.append(int(top.indices[0]))
+    logprobs = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
+print(json.dumps({"tokens": ids[len(prompt):], "gaps": gaps, "logprobs": logprobs.tolist()}))
+"""
+# nats: llmopt's float path and transformers' differ by float rounding (~1e-6 in these log-probabilities
+# here); greedy tokens are compared up to the reference's first top-2 gap below this
+W4A16_NEAR_TIE = 1e-3
+# nats: llmopt's int4 kernels round each activation row to int8, where transformers multiplies the
+# dequantized weights in float32 (measured 0.021 at most on this model)
+INT8_ACTIVATIONS_TOLERANCE = 0.06
+
+
+def test_llm_compressor_gptq_w4a16_loads_with_its_greedy_tokens(tiny_models, tmp_path):
+    """A W4A16 checkpoint from llm-compressor's GPTQModifier loads in llmopt: its weights give
+    transformers' log-probabilities on the same folder (float path), llmopt's engine decodes
+    transformers' greedy tokens up to the reference's first near tie, and the int4 kernels' (int8
+    activations) log-probabilities stay within their rounding."""
+    from llmopt.runtime.llm import LLM
+    from llmopt.runtime.sampling_params import SamplingParams
+
+    folder, out, prompt, steps = tiny_models["llama"], tmp_path / "gptq-w4a16", [5, 9, 30, 2, 7, 11, 40, 3], 24
+    reference = json.loads(_run_llmcompressor(LLMCOMPRESSOR_GPTQ_W4A16, str(folder), str(out), json.dumps(prompt),
+                                              str(steps)).strip().splitlines()[-1])
+    _copy_tokenizer(folder, out)
+    ids, theirs = prompt + reference["tokens"], torch.tensor(reference["logprobs"])
+    floats = load(str(out), int4_kernels=False)
+    assert floats.source.quantization.method == "compressed-tensors"
+    assert floats.source.quantization.bits == 4 and floats.source.quantization.group_size == 32
+    assert float((torch.log_softmax(_logits(floats.model, ids), -1) - theirs).abs().max()) < 1e-4
+    params = SamplingParams(max_tokens=steps, temperature=0, ignore_eos=True)
+    ours = LLM(floats, max_num_seqs=1).generate([prompt], params)[0].outputs[0].token_ids
+    decisive = next((j for j, gap in enumerate(reference["gaps"]) if gap < W4A16_NEAR_TIE), steps)
+    assert decisive >= 8, reference["gaps"]  # the comparison must cover tokens
+    assert list(ours[:decisive]) == reference["tokens"][:decisive], (ours, reference["tokens"])
+    kernels = torch.log_softmax(_logits(load(str(out)).model, ids), -1)
+    assert float((kernels - theirs).abs().max()) < INT8_ACTIVATIONS_TOLERANCE

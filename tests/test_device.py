@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import assert_usage_error
-from llmopt.core.device import resolve_device
+from llmopt.core.device import parse_device, resolve_device
 from llmopt.errors import LlmoptError
 from llmopt.loader import resolve_dtype
 
@@ -91,6 +91,17 @@ def test_bad_devices_are_one_clear_error(fake_gpus):
     for bad in ("tpu", "gpu", "mps", "cuda:x"):
         with pytest.raises(LlmoptError, match="unknown --device"):
             resolve_device(bad)
+
+
+def test_a_plan_names_a_gpu_this_machine_lacks(monkeypatch):
+    """parse_device checks the name only (a recipe for a GPU validates on a laptop); resolve_device
+    refuses the absent GPU when something runs."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert parse_device("cuda:1") == torch.device("cuda", 1) and parse_device("auto") == torch.device("cpu")
+    with pytest.raises(LlmoptError, match="unknown --device"):
+        parse_device("tpu")
+    with pytest.raises(LlmoptError, match="CUDA is not available"):
+        resolve_device("cuda:1")
 
 
 def test_bad_device_on_the_command_line_exits_2(tiny_models):

@@ -22,7 +22,7 @@ import resource
 from concurrent.futures import ProcessPoolExecutor
 import time
 import traceback
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Optional, TypeVar
 
@@ -87,13 +87,20 @@ def device_name(name: str) -> str:
     return str(resolve_device(name, make_current=False))
 
 
+def on_this_machine(options: EngineOptions) -> EngineOptions:
+    """`options` with the device resolved here (LlmoptError where this machine lacks it): a run's
+    first step, after the checks that hold anywhere."""
+    return replace(options, device=device_name(options.device))
+
+
 def check_options(options: EngineOptions) -> None:
     """Refuse options every engine would fail on, before any process starts (LlmoptError)."""
-    from llmopt.core.device import resolve_device
+    from llmopt.core.device import parse_device
     from llmopt.loader import resolve_dtype
     from llmopt.errors import LlmoptError
 
-    resolve_dtype(options.dtype, resolve_device(options.device, make_current=False))
+    # the device's name only: a recipe for a GPU is checked on any machine; running resolves it
+    resolve_dtype(options.dtype, parse_device(options.device))
     if options.hf_batch_size < 1:
         raise LlmoptError(f"--hf-batch-size must be at least 1, got {options.hf_batch_size}")
     if options.hf_max_requests is not None and options.hf_max_requests < 0:

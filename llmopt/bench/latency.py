@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable
 
 from llmopt.bench.datasets import make_workload
-from llmopt.bench.engines import EngineOptions, device_name, PeerArgs, check_options, gguf_file, isolated
+from llmopt.bench.engines import EngineOptions, on_this_machine, PeerArgs, check_options, gguf_file, isolated
 from llmopt.bench.environment import collect_metadata
 from llmopt.bench.results import results_document
 from llmopt.errors import LlmoptError
@@ -76,7 +76,7 @@ class LatencyRequest:
         """The run's configuration; LlmoptError (exit 2) for a bad value."""
         e = self.engine
         engine = replace(e.engine_config(), max_num_seqs=max(self.batch_size, default=1), enable_prefix_caching=False)
-        options = EngineOptions(dtype=e.dtype, device=device_name(e.device), load_format=e.load_format,
+        options = EngineOptions(dtype=e.dtype, device=e.device, load_format=e.load_format,
                                 quantization=e.quantization, engine_config=asdict(engine),
                                 gguf=self.peers.gguf, threads=self.peers.threads)
         return LatencyConfig(model=self.model, engines=list(self.engines), batch_sizes=list(self.batch_size),
@@ -97,9 +97,10 @@ def run_latency(config: LatencyConfig, progress: Callable[[str], None] | None = 
     from llmopt.bench.roofline import measure_read_bandwidth
 
     check_config(config)
+    config = replace(config, options=on_this_machine(config.options))
     if progress:
         progress("measuring memory bandwidth")
-    bandwidth = measure_read_bandwidth(device_name(config.options.device))
+    bandwidth = measure_read_bandwidth(config.options.device)
     runs = []
     for engine in config.engines:
         sizes = config.batch_sizes if engine == "llmopt" else [1]

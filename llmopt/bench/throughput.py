@@ -9,11 +9,11 @@ that engines on the same weights compute the same thing; quantized engines diffe
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable
 
 from llmopt.bench.datasets import BenchRequest, WorkloadArgs, make_workload
-from llmopt.bench.engines import ENGINES, device_name, EngineOptions, EngineResult, PeerArgs, check_options, run_isolated
+from llmopt.bench.engines import ENGINES, EngineOptions, EngineResult, PeerArgs, check_options, on_this_machine, run_isolated
 from llmopt.bench.environment import collect_metadata
 from llmopt.bench.results import results_document
 from llmopt.core import load_tokenizer
@@ -53,7 +53,7 @@ class ThroughputRequest:
     def config(self) -> ThroughputConfig:
         """The run's configuration; LlmoptError (exit 2) for a bad value."""
         e, w = self.engine, self.workload
-        options = EngineOptions(dtype=e.dtype, device=device_name(e.device), load_format=e.load_format,
+        options = EngineOptions(dtype=e.dtype, device=e.device, load_format=e.load_format,
                                 quantization=e.quantization, engine_config=asdict(e.engine_config()),
                                 hf_batch_size=self.hf_batch_size, hf_max_requests=self.hf_max_requests or None,
                                 gguf=self.peers.gguf, threads=self.peers.threads)
@@ -80,6 +80,7 @@ def run_throughput(config: ThroughputConfig,
 
     `progress(engine, None)` is called as an engine starts and `progress(engine, result)` as it ends."""
     check_options(config.options)
+    config = replace(config, options=on_this_machine(config.options))
     requests = make_workload(load_tokenizer(config.model), config.dataset, config.num_prompts, config.input_len,
                              config.output_len, config.range_ratio, config.seed, config.prefix_len)
     results: list[EngineResult] = []

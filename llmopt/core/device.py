@@ -15,11 +15,10 @@ from llmopt.errors import LlmoptError
 DEVICE_HELP = "auto (CUDA when torch sees a GPU, else CPU), cpu, cuda or cuda:N"
 
 
-def resolve_device(name: str = "auto", make_current: bool = True) -> torch.device:
-    """The device `name` means here; LlmoptError (exit 2) for a bad name or an absent GPU.
-
-    `make_current`: for a CUDA device, also make it the current one (`torch.cuda.set_device`);
-    code that only checks a value before handing it to another process passes False."""
+def parse_device(name: str = "auto") -> torch.device:
+    """The device `name` names, without asking whether this machine has it ("auto" is resolved);
+    LlmoptError (exit 2) for a bad name. Checks of a plan that may run elsewhere (a recipe for a
+    GPU validated on a laptop) use this; running code uses `resolve_device`."""
     text = (name or "auto").strip().lower()
     if text == "auto":
         text = "cuda" if torch.cuda.is_available() else "cpu"
@@ -29,6 +28,15 @@ def resolve_device(name: str = "auto", make_current: bool = True) -> torch.devic
         raise LlmoptError(f"unknown --device {name!r}; choose {DEVICE_HELP}") from None
     if device.type not in ("cpu", "cuda"):
         raise LlmoptError(f"unknown --device {name!r}; choose {DEVICE_HELP}")
+    return device
+
+
+def resolve_device(name: str = "auto", make_current: bool = True) -> torch.device:
+    """The device `name` means here; LlmoptError (exit 2) for a bad name or an absent GPU.
+
+    `make_current`: for a CUDA device, also make it the current one (`torch.cuda.set_device`);
+    code that only checks a value before handing it to another process passes False."""
+    device = parse_device(name)
     if device.type == "cpu":
         return torch.device("cpu")
     if not torch.cuda.is_available():

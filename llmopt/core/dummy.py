@@ -25,7 +25,7 @@ import torch
 from llmopt.core.config import ModelConfig
 from llmopt.core.quant_formats import packed_shapes, quantization_config
 from llmopt.core.quantized_weight import QuantScheme
-from llmopt.core.source import QuantizationInfo
+from llmopt.core.quantization_info import QuantizationInfo
 from llmopt.errors import LlmoptError
 
 INIT_STD = 0.02

@@ -5,12 +5,13 @@ from __future__ import annotations
 import json
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from llmopt.core.architectures import SHIPPED
 from llmopt.core.config import ModelConfig, read_json
+from llmopt.core.quantization_info import QuantizationInfo
 from llmopt.core.tokenizer import Tokenizer
 from llmopt.errors import LlmoptError
 
@@ -18,14 +19,6 @@ SUPPORTED_QUANT_METHODS = ("awq", "gptq", "compressed-tensors")
 # "auto": the checkpoint's own weights; "dummy": random weights of its shape (vLLM's names)
 LOAD_FORMATS = ("auto", "dummy")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-
-
-@dataclass
-class QuantizationInfo:
-    method: str  # "awq" | "gptq" | "compressed-tensors" | "gguf"
-    bits: int | None = None
-    group_size: int | None = None
-    details: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

@@ -19,7 +19,7 @@ from llmopt.core.fp8_weight import Fp8Weight
 from llmopt.core.memory import release_freed_memory
 from llmopt.core.quant_formats import unpack_tensors
 from llmopt.core.quantized_weight import QuantizedWeight
-from llmopt.core.source import QuantizationInfo
+from llmopt.core.quantization_info import QuantizationInfo
 from llmopt.core.threads import one_thread
 from llmopt.errors import LlmoptError
 from llmopt.model.backends import KernelBackend, ReferenceBackend

@@ -13,7 +13,8 @@ from llmopt.core.device import resolve_device
 from llmopt.core.dummy import DummyWeights, dummy_quantization
 from llmopt.core.memory import available_memory_bytes
 from llmopt.core.weights import open_weights
-from llmopt.core.source import LOAD_FORMATS, ModelSource, QuantizationInfo, load_tokenizer, resolve
+from llmopt.core.quantization_info import QuantizationInfo
+from llmopt.core.source import LOAD_FORMATS, ModelSource, load_tokenizer, resolve
 from llmopt.core.tokenizer import Tokenizer
 from llmopt.errors import LlmoptError
 from llmopt.loader.build import build_model
