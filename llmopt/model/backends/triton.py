@@ -1,5 +1,6 @@
-"""The "triton" backend (CUDA; CPU only under TRITON_INTERPRET=1): paged attention and the int4
-and FP8 matmuls in Triton (`llmopt.kernels.triton_*`), the small elementwise ops in PyTorch."""
+"""The "triton" backend (CUDA; CPU only under TRITON_INTERPRET=1): paged attention, the int4
+and FP8 matmuls and the decoder's small per-layer ops (RMSNorm, rope, silu*up: one launch each)
+in Triton (`llmopt.kernels.triton_*`)."""
 
 from __future__ import annotations
 
@@ -12,11 +13,17 @@ from llmopt.model.backends.base import KernelBackend
 from llmopt.model.fp8_linear import triton_fp8_linear
 from llmopt.model.int4_linear import triton_int4_linear
 from llmopt.model.linear import LinearBase
+from llmopt.model.ops import DecoderOps
 from llmopt.model.paged_attention import PagedAttention, TritonPagedAttention
 
 
 class TritonBackend(KernelBackend):
     name = "triton"
+
+    def decoder_ops(self, dtype: torch.dtype) -> DecoderOps:
+        from llmopt.kernels import triton_decoder_ops as k  # imports Triton: only once this backend runs
+
+        return DecoderOps(self.name, k.rms_norm, k.add_rms_norm, k.rotary, k.silu_and_mul)
 
     def int4_linear(self, weight: QuantizedWeight, bias: torch.Tensor | None, dtype: torch.dtype) -> LinearBase | None:
         return triton_int4_linear(weight, None if bias is None else bias.to(dtype))
