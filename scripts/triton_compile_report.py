@@ -3,6 +3,7 @@ for NVIDIA GPUs on this machine (no GPU needed: Triton's compiler and ptxas run 
 
     python scripts/triton_compile_report.py                 # every constexpr value, sm_80/89/90
     python scripts/triton_compile_report.py --scope full --json report.json
+    python scripts/triton_compile_report.py --scope full --kernel _rms_norm_kernel,_rotary_kernel
 
 The variants are those tests/test_triton_compile.py compiles (`llmopt.kernels.triton_variants`).
 Spills are Triton's `n_spills` (local memory per thread / 4 bytes); a decode-path kernel that spills
@@ -30,12 +31,19 @@ def main() -> None:
     parser.add_argument("--scope", default="cover", choices=("smoke", "cover", "full"),
                         help="smoke: every dtype and flag; cover: every constexpr value too; full: all (hours)")
     parser.add_argument("--jobs", type=int, default=2, help="compiler processes")
+    parser.add_argument("--kernel", help="only these kernels (names, comma-separated: e.g. _rotary_kernel)")
     parser.add_argument("--json", type=Path, help="also write every result here")
     args = parser.parse_args()
     archs = [int(a) for a in args.arch.split(",")]
     params = shipped_params()
     variants = enumerate_variants(params)
     chosen = select(variants, args.scope)
+    if args.kernel:
+        names = set(args.kernel.split(","))
+        unknown = names - {v.kernel for v in variants}
+        if unknown:
+            parser.error(f"no such kernel: {', '.join(sorted(unknown))}")
+        chosen = [v for v in chosen if v.kernel in names]
     tasks = compile_tasks(variants, chosen, archs)
     print(f"{len(chosen)} of {len(variants)} variants ({args.scope}), {len(tasks)} compiles for sm_"
           + "/".join(map(str, archs)) + " (fp8 pools from sm_89 on)", flush=True)

@@ -7,11 +7,11 @@ test fails on any compile error. The variants come from the launchers' own dispa
 
 Wall time: a compile costs ~1.3 s of CPU (LLVM + ptxas), so the full matrix (~1,700 variants x
 3 targets) takes hours on two cores. By default (LLMOPT_TRITON_COMPILE=smoke) a covering subset runs:
-every dtype pair, exact-fp32 flag, bias / act-order / one-group flag, and split vs no split of
-every kernel appears in one compiled variant per target (~25 variants, ~70 compiles: about a
-minute cold on two idle cores, seconds with Triton's cache warm). LLMOPT_TRITON_COMPILE=cover
-adds every value of every constexpr (split counts, tile sizes, head dims, groups: ~35 variants,
-~100 compiles, 5 min here), =full compiles everything. fp8 pools are compiled for sm_89/sm_90 only:
+every dtype pair, exact-fp32 flag, bias / act-order / one-group / residual / one-pass flag, and split
+vs no split of every kernel appears in one compiled variant per target (~40 variants, ~115 compiles:
+about two minutes cold on two idle cores, seconds with Triton's cache warm). LLMOPT_TRITON_COMPILE=cover
+adds every value of every constexpr (split counts, tile sizes, head dims, groups: ~55 variants,
+~160 compiles, ~8 min here), =full compiles everything. fp8 pools are compiled for sm_89/sm_90 only:
 Triton has no e4m3 below 8.9, and the runtime refuses an fp8 pool there (`FP8_MIN_ARCH`).
 `scripts/triton_compile_report.py` prints the registers, spills and shared memory of the same variants.
 """
@@ -27,15 +27,16 @@ import torch
 
 pytest.importorskip("triton")
 
-from llmopt.bench.kernel_variants import shipped_params  # noqa: E402
-from llmopt.kernels import triton_int4_kernels, triton_paged_decode  # noqa: E402
+from llmopt.bench.kernel_variants import decoder_shapes, shipped_params  # noqa: E402
+from llmopt.kernels import triton_decoder_ops, triton_int4_kernels, triton_paged_decode  # noqa: E402
 from llmopt.kernels.triton_variants import compile_tasks, compile_variants, enumerate_variants, select  # noqa: E402
 
 ARCHS = [80, 89, 90]
 SCOPE = os.environ.get("LLMOPT_TRITON_COMPILE", "smoke")
 KERNELS_DIR = Path(triton_paged_decode.__file__).resolve().parent
 # decode-path kernels (every decode step runs them): a spill there costs every token
-DECODE_PATH = {"_write_kv_kernel", "_decode_split_kernel", "_merge_splits", "_gemv_kernel", "_gemm_kernel"}
+DECODE_PATH = {"_write_kv_kernel", "_decode_split_kernel", "_merge_splits", "_gemv_kernel", "_gemm_kernel",
+               "_rms_norm_kernel", "_rotary_kernel", "_silu_and_mul_kernel"}
 ACCEPTED_SPILLS: dict[str, str] = {}  # kernel -> why its spills are accepted (none so far)
 
 
@@ -62,7 +63,7 @@ def launched_kernels() -> set[str]:
 def test_every_launched_kernel_is_enumerated():
     variants = enumerate_variants(shipped_params())
     assert launched_kernels() == {v.kernel for v in variants}
-    assert len(launched_kernels()) == 10
+    assert len(launched_kernels()) == 13
 
 
 def test_the_dispatch_choices_are_enumerated():
@@ -77,6 +78,19 @@ def test_the_dispatch_choices_are_enumerated():
         for tiles in (1, 16, 64, 448):
             for k_tiles in (1, 32, 112):
                 assert triton_int4_kernels._split_k(torch.device("cpu"), tiles, k_tiles) in gemv
+    # the decoder ops at every shipped model's widths, with the warps the norm's launcher asks for
+    for hidden, intermediate, heads, kv_heads, head_dim in decoder_shapes():
+        for dtype in ("float16", "bfloat16", "float32"):
+            mine = [v for v in variants if v.tags == {"x": dtype}]
+            for residual in (False, True):
+                meta = triton_decoder_ops.norm_meta(hidden, residual)
+                assert any(v.constexprs == meta and v.options == {"num_warps": triton_decoder_ops.norm_warps(
+                    meta["BLOCK"])} for v in mine if v.kernel == "_rms_norm_kernel")
+            rotary = triton_decoder_ops.rotary_meta(head_dim, heads, kv_heads)
+            assert any(v.constexprs == rotary for v in mine if v.kernel == "_rotary_kernel")
+            silu = {"BLOCK": triton_decoder_ops.silu_block(intermediate)}
+            assert any(v.constexprs == silu for v in mine if v.kernel == "_silu_and_mul_kernel")
+    assert {v.constexprs["ONE_PASS"] for v in variants if v.kernel == "_rms_norm_kernel"} == {True, False}
     llama8b = triton_paged_decode.decode_meta(4, 128, 16, triton_paged_decode.choose_num_splits(1, 8, 132),
                                               torch.bfloat16)
     assert any(v.constexprs == llama8b and v.tags == {"q": "bfloat16", "kv": "bfloat16"} for v in variants)
