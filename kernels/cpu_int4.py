@@ -1,7 +1,7 @@
 """4-bit (and 8-bit) weight x fp32 activation linear layers on CPU, in C++ (`csrc/int4_linear.cpp`).
 
 AWQ and GPTQ checkpoints store 4-bit codes with a scale and zero point per group of input
-columns. `repack_int4` turns such codes, once at load, into the layout the kernel streams:
+columns. `repack_int4` (`repack_int4_rows`: a slab of output rows at a time) turns such codes, once at load, into the layout the kernel streams:
 output rows in tiles of 8 (padded with zero rows), each tile's 32-column blocks as 128
 bytes interleaved so one 32-byte load holds 4 codes of each of the 8 rows (low nibbles:
 columns 4c..4c+3, high nibbles: 16 + 4c..), and per group the 8 rows' float scales and
@@ -54,18 +54,30 @@ def _tiled(rows: torch.Tensor, n: int) -> torch.Tensor:
     return padded.reshape(-1, TILE, rows.shape[1]).transpose(1, 2).contiguous()
 
 
+# codes per slab of output rows repacked at a time: a few MB of temporaries, never a whole projection's
+SLAB_CODES = 1 << 22
+
+
 def repack_int4(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, g_idx: torch.Tensor) -> PackedInt4 | None:
     """Codes [N, K] (0..15), scales and zero points [N, groups], the group of each input
     column [K] -> the kernel's layout; None where the kernel cannot take the weight (K not a
     multiple of 32, or a group boundary inside a block of 32 columns)."""
-    n, k = codes.shape
-    if k % BLOCK or codes.numel() == 0:
+    return repack_int4_rows(lambda start, stop: codes[start:stop], tuple(codes.shape), scales, zeros, g_idx)
+
+
+def repack_int4_rows(code_rows: Callable[[int, int], torch.Tensor], shape: tuple[int, int], scales: torch.Tensor,
+                     zeros: torch.Tensor, g_idx: torch.Tensor) -> PackedInt4 | None:
+    """`repack_int4` of the [N, K] codes `code_rows(start, stop)` gives a slab of output rows at a
+    time (rows start..stop-1): tiles are repacked independently, so the layout is the same while
+    only a slab of codes (`SLAB_CODES`) and its temporaries exist at once."""
+    n, k = shape
+    if k % BLOCK or n * k == 0:
         return None
     g = g_idx.long()
     perm = None
     if not torch.equal(g, torch.sort(g, stable=True).values):  # act-order: sort the columns by group once
         perm = torch.argsort(g, stable=True)
-        codes, g = codes[:, perm], g[perm]
+        g = g[perm]
     block_groups = g.reshape(k // BLOCK, BLOCK)
     if not bool((block_groups == block_groups[:, :1]).all()):
         return None
@@ -76,11 +88,19 @@ def repack_int4(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, 
         group_size = BLOCK
         scales, zeros = scales[:, block_groups[:, 0]], zeros[:, block_groups[:, 0]]
     tiles = -(-n // TILE)
-    c = torch.zeros(tiles * TILE, k, dtype=torch.uint8)
-    c[:n] = codes.to(torch.uint8)
-    # [tile, row, block, half, chunk, byte] -> bytes ordered [tile, block, chunk, row, byte]
-    c = c.reshape(tiles, TILE, k // BLOCK, 2, 4, 4)
-    packed = (c[:, :, :, 0] | (c[:, :, :, 1] << 4)).permute(0, 2, 3, 1, 4).reshape(tiles, k * 4).contiguous()
+    packed = torch.empty(tiles, k * 4, dtype=torch.uint8)
+    step = max(1, SLAB_CODES // (TILE * k))  # tiles per slab
+    for first in range(0, tiles, step):
+        last = min(first + step, tiles)
+        start, stop = first * TILE, min(last * TILE, n)
+        codes = code_rows(start, stop)
+        if perm is not None:
+            codes = codes[:, perm]
+        c = torch.zeros((last - first) * TILE, k, dtype=torch.uint8)
+        c[: stop - start] = codes.to(torch.uint8)
+        # [tile, row, block, half, chunk, byte] -> bytes ordered [tile, block, chunk, row, byte]
+        c = c.reshape(last - first, TILE, k // BLOCK, 2, 4, 4)
+        packed[first:last] = (c[:, :, :, 0] | (c[:, :, :, 1] << 4)).permute(0, 2, 3, 1, 4).reshape(-1, k * 4)
     scales = scales.float()
     return PackedInt4(packed, _tiled(scales, n), _tiled(scales * zeros.float(), n), n, group_size, perm)
 

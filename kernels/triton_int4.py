@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -109,6 +110,10 @@ def _even_groups(g: torch.Tensor) -> int | None:
     return None
 
 
+# codes per slab of output channels packed at a time: a few MB of temporaries, never a whole projection's
+SLAB_CODES = 1 << 22
+
+
 def pack_int4(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, g_idx: torch.Tensor,
               scale_dtype: torch.dtype = torch.float16) -> PackedInt4:
     """Codes [N, K] (0..15), scales [N, groups], zero points [N, groups], the group of each
@@ -116,18 +121,28 @@ def pack_int4(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, g_
     layout the kernels cannot take (codes out of range, uneven groups on no common block)."""
     if codes.dim() != 2 or codes.numel() == 0:
         raise ValueError(f"codes must be a non-empty [N, K] matrix, got shape {tuple(codes.shape)}")
-    n, k = codes.shape
+    return pack_int4_rows(lambda start, stop: codes[start:stop], tuple(codes.shape), scales, zeros, g_idx,
+                          codes.device, scale_dtype)
+
+
+def pack_int4_rows(code_rows: Callable[[int, int], torch.Tensor], shape: tuple[int, int], scales: torch.Tensor,
+                   zeros: torch.Tensor, g_idx: torch.Tensor, device: torch.device | str,
+                   scale_dtype: torch.dtype = torch.float16) -> PackedInt4:
+    """`pack_int4` of the [N, K] codes `code_rows(start, stop)` gives a slab of output channels at a
+    time (rows start..stop-1), packed on `device` slab by slab (`SLAB_CODES` codes): the same
+    layout, without the whole projection's codes (or a wider copy of them) at any moment."""
+    n, k = shape
+    if n * k == 0:
+        raise ValueError(f"codes must be a non-empty [N, K] matrix, got shape {tuple(shape)}")
     if scales.shape != zeros.shape or scales.shape[0] != n or g_idx.shape != (k,):
-        raise ValueError(f"shapes disagree: codes {tuple(codes.shape)}, scales {tuple(scales.shape)}, "
+        raise ValueError(f"shapes disagree: codes {tuple(shape)}, scales {tuple(scales.shape)}, "
                          f"zeros {tuple(zeros.shape)}, g_idx {tuple(g_idx.shape)}")
-    if int(codes.min()) < 0 or int(codes.max()) > 15:
-        raise ValueError("codes must lie in 0..15")
-    device = codes.device
+    device = torch.device(device)
     g = g_idx.long().to(device)
     perm = None
     if not torch.equal(g, torch.sort(g, stable=True).values):  # act-order: sort the columns by group once
         perm = torch.argsort(g, stable=True)
-        codes, g = codes[:, perm], g[perm]
+        g = g[perm]
     width = _even_groups(g)
     if width is not None:
         scales, zeros = scales[:, :len(g) // width], zeros[:, :len(g) // width]
@@ -137,19 +152,29 @@ def pack_int4(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, g_
                 break
         else:
             raise ValueError("uneven groups that split every block of 8 input columns")
-        block_group = g.reshape(-1, width)[:, 0]
+        block_group = g.reshape(-1, width)[:, 0].to(scales.device)
         scales, zeros = scales[:, block_group], zeros[:, block_group]
     k8 = -(-k // PACK) * PACK
-    padded = torch.zeros(n, k8, dtype=torch.int32, device=device)  # code 0 past K: finite, times x = 0
-    padded[:, :k] = codes.to(torch.int32)
-    nibbles = padded.t().reshape(k8 // PACK, PACK, n)
-    shifts = (torch.arange(PACK, device=device, dtype=torch.int32) * BITS).view(1, PACK, 1)
-    # the sum of disjoint nibbles is their bitwise OR; int32 wraps the top nibble into the sign bit
-    qweight = (nibbles << shifts).sum(dim=1, dtype=torch.int32).contiguous()
+    qweight = torch.empty(k8 // PACK, n, dtype=torch.int32, device=device)
+    step = max(1, SLAB_CODES // k8)
+    for start in range(0, n, step):
+        stop = min(start + step, n)
+        codes = code_rows(start, stop).to(device)
+        if int(codes.min()) < 0 or int(codes.max()) > 15:
+            raise ValueError("codes must lie in 0..15")
+        if perm is not None:
+            codes = codes[:, perm]
+        padded = torch.zeros(stop - start, k8, dtype=torch.uint8, device=device)  # code 0 past K: finite, times x = 0
+        padded[:, :k] = codes
+        nibbles = padded.view(stop - start, k8 // PACK, PACK)
+        words = nibbles[:, :, 0].to(torch.int32)
+        for j in range(1, PACK):  # disjoint nibbles ORed in; int32 wraps the top nibble into the sign bit
+            words |= nibbles[:, :, j].to(torch.int32) << (BITS * j)
+        qweight[:, start:stop] = words.t()
     return PackedInt4(
         qweight=qweight,
-        scales=scales.t().to(scale_dtype).contiguous(),
-        zeros=zeros.t().to(torch.uint8).contiguous(),
+        scales=scales.t().to(device=device, dtype=scale_dtype).contiguous(),
+        zeros=zeros.t().to(device=device, dtype=torch.uint8).contiguous(),
         perm=None if perm is None else perm.to(torch.int32).contiguous(),
         in_features=k, out_features=n, group_size=width,
     )

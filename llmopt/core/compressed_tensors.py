@@ -25,7 +25,7 @@ import torch
 
 from llmopt.core.fp8_weight import FP8_DTYPE, Fp8Weight
 from llmopt.core.quant_packing import pack_columns, unpack_columns
-from llmopt.core.quantized_weight import QuantizedWeight, QuantScheme
+from llmopt.core.quantized_weight import PackedQuantizedWeight, QuantizedWeight, QuantScheme
 from llmopt.errors import LlmoptError
 
 QUANT_METHOD = "compressed-tensors"
@@ -213,6 +213,13 @@ def read_fp8(tensors: dict[str, torch.Tensor], prefix: str, scheme: CompressedTe
 
 def read_int4(tensors: dict[str, torch.Tensor], prefix: str, scheme: CompressedTensorsScheme) -> QuantizedWeight:
     """One pack-quantized W4A16 projection back as codes + grid, shapes checked."""
+    return read_int4_packed(tensors, prefix, scheme).unpacked()
+
+
+def read_int4_packed(tensors: dict[str, torch.Tensor], prefix: str,
+                     scheme: CompressedTensorsScheme) -> PackedQuantizedWeight:
+    """One pack-quantized W4A16 projection's grid, shapes checked, its codes left packed (read a
+    slab of output rows at a time: `PackedQuantizedWeight.code_rows`)."""
     try:
         packed, scales = tensors[f"{prefix}.weight_packed"], tensors[f"{prefix}.weight_scale"]
     except KeyError as exc:
@@ -224,7 +231,6 @@ def read_int4(tensors: dict[str, torch.Tensor], prefix: str, scheme: CompressedT
             or (shape is not None and int(shape.reshape(-1)[0]) != out_features):
         raise LlmoptError(f"{prefix}.weight_packed {packed.dtype} {tuple(packed.shape)} does not hold a "
                           f"[{out_features}, {in_features}] int4 weight")
-    codes = unpack_columns(packed)[:, :in_features].contiguous()
     groups = scales.shape[1] if scales.dim() == 2 else 0
     if scales.dim() != 2 or scales.shape[0] != out_features or groups == 0 or in_features % groups:
         raise LlmoptError(f"{prefix}.weight_scale has shape {tuple(scales.shape)}, which does not fit a "
@@ -244,6 +250,10 @@ def read_int4(tensors: dict[str, torch.Tensor], prefix: str, scheme: CompressedT
     elif tuple(g_idx.shape) != (in_features,) or int(g_idx.min()) < 0 or int(g_idx.max()) >= groups:
         raise LlmoptError(f"{prefix}.weight_g_idx has shape {tuple(g_idx.shape)} or values outside 0..{groups - 1}")
     group_size = -1 if groups == 1 and scheme.strategy == "channel" else width
-    return QuantizedWeight(codes=codes, scales=scales.float().contiguous(), zeros=zeros,
-                           g_idx=g_idx.to(torch.int32), scheme=QuantScheme(bits=4, group_size=group_size,
-                                                                          sym=scheme.symmetric))
+
+    def rows(start: int, stop: int) -> torch.Tensor:  # input columns 8j..8j+7 in word j of each row
+        return unpack_columns(packed[start:stop])[:, :in_features].contiguous()
+
+    return PackedQuantizedWeight(shape=(out_features, in_features), scales=scales.float().contiguous(), zeros=zeros,
+                                 g_idx=g_idx.to(torch.int32), readers=[(out_features, rows)],
+                                 scheme=QuantScheme(bits=4, group_size=group_size, sym=scheme.symmetric))

@@ -15,9 +15,8 @@ import torch
 
 from llmopt.errors import LlmoptError
 from llmopt.core import compressed_tensors
-from llmopt.core.quant_packing import awq_pack, awq_unpack, gptq_pack, gptq_unpack
-from llmopt.core.quantized_weight import QuantizedWeight, QuantScheme
-from llmopt.core.threads import one_thread
+from llmopt.core.quant_packing import AWQ_ORDER, awq_pack, gptq_pack, unpack_columns, unpack_rows
+from llmopt.core.quantized_weight import CodeRows, PackedQuantizedWeight, QuantizedWeight, QuantScheme
 
 CHECKPOINT_FORMATS = ("awq", "gptq", "compressed-tensors")
 
@@ -73,22 +72,32 @@ def packed_shapes(fmt: str, prefix: str, out_features: int, in_features: int,
 def unpack_tensors(fmt: str, tensors: dict[str, torch.Tensor], prefix: str, bits: int, group_size: int,
                    gptq_v2: bool = False) -> QuantizedWeight:
     """Read one projection back as codes + grid, checking shapes agree with each other."""
+    return read_packed(fmt, tensors, prefix, bits, group_size, gptq_v2).unpacked()
+
+
+def read_packed(fmt: str, tensors: dict[str, torch.Tensor], prefix: str, bits: int, group_size: int,
+                gptq_v2: bool = False) -> PackedQuantizedWeight:
+    """One projection's grid (scales, zero points, g_idx), shapes checked, with its codes left
+    packed: read a slab of output rows at a time (`PackedQuantizedWeight.code_rows`)."""
     if bits != 4:
         raise LlmoptError(f"{prefix}: only 4-bit {fmt.upper()} checkpoints are supported (this one is {bits}-bit)")
     try:
         qweight, qzeros, scales = (tensors[f"{prefix}.{k}"] for k in ("qweight", "qzeros", "scales"))
     except KeyError as exc:
         raise LlmoptError(f"{fmt.upper()} checkpoint is missing tensor {exc.args[0]}") from None
-    try:
-        if fmt == "awq":
-            codes, zeros = awq_unpack(qweight, qzeros)
-        else:
-            codes, zeros = gptq_unpack(qweight, qzeros)
-            if gptq_v2:
-                zeros = zeros - 1  # v2 stores the zero point itself
-    except RuntimeError as exc:
-        raise LlmoptError(f"{prefix}: packed tensors do not fit together: {exc}") from None
-    out_features, in_features = codes.shape
+    if qweight.dim() != 2 or qzeros.dim() != 2 or scales.dim() != 2 \
+            or qweight.dtype != torch.int32 or qzeros.dtype != torch.int32:
+        raise LlmoptError(f"{prefix}: packed tensors do not fit together: qweight {qweight.dtype} "
+                          f"{tuple(qweight.shape)}, qzeros {qzeros.dtype} {tuple(qzeros.shape)}, scales "
+                          f"{tuple(scales.shape)} (2-D int32 words expected)")
+    if fmt == "awq":
+        in_features, out_features = qweight.shape[0], qweight.shape[1] * 8
+        zeros = unpack_columns(qzeros, AWQ_ORDER).t().contiguous()
+    else:
+        in_features, out_features = qweight.shape[0] * 8, qweight.shape[1]
+        zeros = (unpack_columns(qzeros) + 1).t().contiguous()
+        if gptq_v2:
+            zeros = zeros - 1  # v2 stores the zero point itself
     width = in_features if group_size == -1 else group_size
     if in_features % width:
         raise LlmoptError(f"{prefix}: group size {group_size} does not divide the input size {in_features}")
@@ -103,7 +112,24 @@ def unpack_tensors(fmt: str, tensors: dict[str, torch.Tensor], prefix: str, bits
         g_idx = torch.arange(in_features) // width
     elif g_idx.shape != (in_features,) or int(g_idx.min()) < 0 or int(g_idx.max()) >= groups:
         raise LlmoptError(f"{prefix}.g_idx has shape {tuple(g_idx.shape)} or values outside 0..{groups - 1}")
-    return QuantizedWeight(codes=codes.to(torch.uint8), scales=scales.float().t().contiguous(),
-                           zeros=zeros.to(torch.int16), g_idx=g_idx.to(torch.int32),
-                           scheme=QuantScheme(bits=bits, group_size=group_size))
+    reader = _awq_rows(qweight) if fmt == "awq" else _gptq_rows(qweight)
+    return PackedQuantizedWeight(shape=(out_features, in_features), scales=scales.float().t().contiguous(),
+                                 zeros=zeros.to(torch.int16), g_idx=g_idx.to(torch.int32),
+                                 scheme=QuantScheme(bits=bits, group_size=group_size),
+                                 readers=[(out_features, reader)])
 
+
+def _awq_rows(qweight: torch.Tensor) -> CodeRows:
+    """Output rows of AWQ's qweight [in, out/8] (eight output channels per word, interleaved)."""
+    def rows(start: int, stop: int) -> torch.Tensor:
+        first, last = start // 8, -(-stop // 8)
+        codes = unpack_columns(qweight[:, first:last], AWQ_ORDER).t()
+        return codes[start - 8 * first: stop - 8 * first].contiguous()
+    return rows
+
+
+def _gptq_rows(qweight: torch.Tensor) -> CodeRows:
+    """Output rows of GPTQ's qweight [in/8, out] (eight input columns per word)."""
+    def rows(start: int, stop: int) -> torch.Tensor:
+        return unpack_rows(qweight[:, start:stop]).t().contiguous()
+    return rows

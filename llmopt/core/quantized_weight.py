@@ -4,7 +4,8 @@ makes it and packs it)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -36,6 +37,14 @@ class QuantizedWeight:
     g_idx: torch.Tensor  # [in] int32: the group of each input column
     scheme: QuantScheme
 
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.codes.shape)
+
+    def code_rows(self, start: int, stop: int) -> torch.Tensor:
+        """Codes [stop - start, in] of output rows start..stop-1 (as `PackedQuantizedWeight` reads them)."""
+        return self.codes[start:stop]
+
     def dequantize(self) -> torch.Tensor:
         out, n = self.codes.shape
         groups = self.scales.shape[1]
@@ -48,3 +57,54 @@ class QuantizedWeight:
     def is_sequential(self) -> bool:
         n, groups = self.codes.shape[1], self.scales.shape[1]
         return n % groups == 0 and torch.equal(self.g_idx.long(), torch.arange(n) // (n // groups))
+
+
+CodeRows = Callable[[int, int], torch.Tensor]
+
+
+@dataclass
+class PackedQuantizedWeight:
+    """An int4 projection as a checkpoint packs it, its grid read and its codes not: scales and
+    zero points [out, groups] and g_idx [in] (small) are unpacked, the codes are read a slab of
+    output rows at a time (`code_rows`), so the kernel layers repack a projection into their
+    layouts without ever holding its [out, in] codes, let alone a dense weight. Projections
+    stacked along the output dimension (q/k/v, gate/up) keep one reader per checkpoint tensor."""
+
+    shape: tuple[int, int]  # (out, in)
+    scales: torch.Tensor  # [out, groups] float32
+    zeros: torch.Tensor  # [out, groups] int16
+    g_idx: torch.Tensor  # [in] int32
+    scheme: QuantScheme
+    readers: list[tuple[int, CodeRows]] = field(default_factory=list)  # (rows, reader) along the output dim
+
+    def code_rows(self, start: int, stop: int) -> torch.Tensor:
+        """uint8 codes [stop - start, in] of output rows start..stop-1."""
+        slabs, base = [], 0
+        for rows, reader in self.readers:
+            lo, hi = max(start, base), min(stop, base + rows)
+            if lo < hi:
+                slabs.append(reader(lo - base, hi - base))
+            base += rows
+        return slabs[0] if len(slabs) == 1 else torch.cat(slabs)
+
+    def unpacked(self) -> QuantizedWeight:
+        """All codes at once ([out, in] bytes): for code that rewrites weights, not for loading."""
+        return QuantizedWeight(codes=self.code_rows(0, self.shape[0]), scales=self.scales, zeros=self.zeros,
+                               g_idx=self.g_idx, scheme=self.scheme)
+
+    def dequantize(self) -> torch.Tensor:
+        return self.unpacked().dequantize()
+
+    def is_sequential(self) -> bool:
+        n, groups = self.shape[1], self.scales.shape[1]
+        return n % groups == 0 and torch.equal(self.g_idx.long(), torch.arange(n) // (n // groups))
+
+    @staticmethod
+    def stacked(parts: list[PackedQuantizedWeight]) -> PackedQuantizedWeight:
+        """`parts` (sharing g_idx and input size) stacked along the output dimension."""
+        if any(p.shape[1] != parts[0].shape[1] or p.scales.shape[1] != parts[0].scales.shape[1] for p in parts):
+            raise ValueError("stacked projections need the same input size and groups")
+        return PackedQuantizedWeight(
+            shape=(sum(p.shape[0] for p in parts), parts[0].shape[1]),
+            scales=torch.cat([p.scales for p in parts]), zeros=torch.cat([p.zeros for p in parts]),
+            g_idx=parts[0].g_idx, scheme=parts[0].scheme, readers=[r for p in parts for r in p.readers])

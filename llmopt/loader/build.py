@@ -1,8 +1,10 @@
 """Our decoder from checkpoint tensors, read one tensor at a time: `build_model` checks each
 tensor's presence and shape, puts dense ones in the compute dtype, and gives each AWQ / GPTQ /
 compressed-tensors W4A16 projection to the kernel backend's int4 layer straight from its packed
-tensors (dense only where the backend has no int4 layer for it), so a 4-bit checkpoint never
-exists in memory as dense weights. FP8 (compressed-tensors float-quantized) projections go to
+tensors (`PackedQuantizedWeight`: the grid read, the codes repacked a slab of output rows at a
+time into the kernel's layout on the target device; dense only where the backend has no int4
+layer for it), so a 4-bit checkpoint never exists in memory as dense weights, nor as a
+projection's whole code matrix. FP8 (compressed-tensors float-quantized) projections go to
 the backend's FP8 layer (fp32 CPU models: the C++ kernel reading the e4m3 bytes); elsewhere they
 are dequantized to the compute dtype at load, one projection at a time. Either way activations
 are not quantized: the model runs FP8's rounding of the weights."""
@@ -13,12 +15,12 @@ from typing import Callable, Iterable, Protocol
 
 import torch
 
-from llmopt.core.compressed_tensors import CompressedTensorsScheme, read_fp8, read_int4, read_scheme
+from llmopt.core.compressed_tensors import CompressedTensorsScheme, read_fp8, read_int4_packed, read_scheme
 from llmopt.core.config import ModelConfig
 from llmopt.core.fp8_weight import Fp8Weight
 from llmopt.core.memory import release_freed_memory
-from llmopt.core.quant_formats import unpack_tensors
-from llmopt.core.quantized_weight import QuantizedWeight
+from llmopt.core.quant_formats import read_packed
+from llmopt.core.quantized_weight import PackedQuantizedWeight, QuantizedWeight
 from llmopt.core.quantization_info import QuantizationInfo
 from llmopt.core.threads import one_thread
 from llmopt.errors import LlmoptError
@@ -46,8 +48,8 @@ def build_model(
     """Our decoder holding `weights` (HF names), its ops and layers set up for kernel backend
     `backend` (default: the reference). With `quant` (AWQ / GPTQ), packed projections become the
     backend's int4 layers (`KernelBackend.int4_linear`: llmopt's C++ kernel for fp32 CPU models,
-    PyTorch's CPU int4 kernel for bf16/fp16 ones, the Triton kernel on CUDA), one projection
-    unpacked at a time; a projection the backend cannot take, every projection when
+    PyTorch's CPU int4 kernel for bf16/fp16 ones, the Triton kernel on CUDA), built on `device`
+    from the packed codes a slab at a time; a projection the backend cannot take, every projection when
     `int4_kernels` is False (code that rewrites weights), and everything on the reference
     backend get dense dequantized weights."""
     backend = backend or ReferenceBackend()
@@ -79,8 +81,9 @@ def build_model(
         if f"{module_name}.bias" in expected:
             bias = _read(weights, f"{module_name}.bias", expected, dtype, device, where)
         layer = None
-        if int4_kernels and isinstance(q, QuantizedWeight):
-            layer = backend.int4_linear(q, None if bias is None else bias.cpu(), dtype)
+        if int4_kernels and isinstance(q, (QuantizedWeight, PackedQuantizedWeight)):
+            with one_thread():  # unpacking slabs of int4 words: small, memory-bound ops
+                layer = backend.int4_linear(q, None if bias is None else bias.cpu(), dtype, device)
         elif int4_kernels and isinstance(q, Fp8Weight):
             layer = backend.fp8_linear(q, None if bias is None else bias.cpu(), dtype)
         if layer is not None:
@@ -96,7 +99,7 @@ def build_model(
             if bias is not None:
                 state[f"{module_name}.bias"] = bias
         del q
-        release_freed_memory()  # the unpacked codes and repacking temporaries of this projection
+        release_freed_memory()  # the packed tensors read and the repacking temporaries of this projection
     # an int4 model's vocabulary projection runs on a compact copy (`DenseLinear.use_compact_copy`), so
     # its tables need not be widened: kept in a 16-bit checkpoint's dtype they take half the memory
     # (1.6 GB less for an 8B model in fp32), and the embedding's cast of a row to fp32 is exact
@@ -176,31 +179,31 @@ def _check_present(expected: dict, weights: Weights, quantized: bool, where: str
 
 
 class _PackedReader:
-    """Unpacks one AWQ / GPTQ projection at a time from the checkpoint's packed tensors."""
+    """One AWQ / GPTQ projection at a time: its grid, its codes left packed."""
 
     def __init__(self, weights: Weights, quant: QuantizationInfo):
         self.weights, self.quant = weights, quant
         self.gptq_v2 = quant.details.get("checkpoint_format") == "gptq_v2"
 
-    def __call__(self, prefix: str) -> QuantizedWeight | None:
+    def __call__(self, prefix: str) -> PackedQuantizedWeight | None:
         if f"{prefix}.qweight" not in self.weights:
             return None
         tensors = {f"{prefix}.{s}": self.weights[f"{prefix}.{s}"] for s in _PACKED_SUFFIXES
                    if f"{prefix}.{s}" in self.weights}
         with one_thread():
-            return unpack_tensors(self.quant.method, tensors, prefix, int(self.quant.bits),
-                                  int(self.quant.group_size), self.gptq_v2)
+            return read_packed(self.quant.method, tensors, prefix, int(self.quant.bits),
+                               int(self.quant.group_size), self.gptq_v2)
 
 
 class _CompressedTensorsReader:
-    """One compressed-tensors projection at a time: FP8 codes and scales, or W4A16 unpacked into
-    codes + grid; None for a projection the checkpoint keeps dense (its `ignore` list)."""
+    """One compressed-tensors projection at a time: FP8 codes and scales, or W4A16's grid with its
+    codes left packed; None for a projection the checkpoint keeps dense (its `ignore` list)."""
 
     def __init__(self, weights: Weights, scheme: CompressedTensorsScheme):
         self.weights, self.scheme = weights, scheme
         self.fp8 = scheme.type == "float"
 
-    def __call__(self, prefix: str) -> QuantizedWeight | Fp8Weight | None:
+    def __call__(self, prefix: str) -> PackedQuantizedWeight | Fp8Weight | None:
         marker = f"{prefix}.weight_scale" if self.fp8 else f"{prefix}.weight_packed"
         if marker not in self.weights:
             return None
@@ -208,11 +211,11 @@ class _CompressedTensorsReader:
             ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point", "weight_g_idx")
         tensors = {f"{prefix}.{s}": self.weights[f"{prefix}.{s}"] for s in suffixes if f"{prefix}.{s}" in self.weights}
         with one_thread():
-            return read_fp8(tensors, prefix, self.scheme) if self.fp8 else read_int4(tensors, prefix, self.scheme)
+            return read_fp8(tensors, prefix, self.scheme) if self.fp8 else read_int4_packed(tensors, prefix, self.scheme)
 
 
 def _grid_reader(weights: Weights, quant: QuantizationInfo | None, int4_kernels: bool,
-                 where: str) -> Callable[[str], QuantizedWeight | None] | None:
+                 where: str) -> Callable[[str], QuantizedWeight | PackedQuantizedWeight | Fp8Weight | None] | None:
     """How to read a projection (by prefix) as an int4 grid: AWQ / GPTQ packed tensors, or a
     GGUF file's Q4_0 tensors (`GGUFTensors.quantized`, only for the kernels: their dense values
     come as cheaply from the file); None where the checkpoint holds no grids."""
@@ -232,7 +235,8 @@ def _grid_reader(weights: Weights, quant: QuantizationInfo | None, int4_kernels:
     return None
 
 
-def _joined(qs: list, parts: list[str], where: str) -> QuantizedWeight | Fp8Weight | torch.Tensor:
+def _joined(qs: list, parts: list[str],
+            where: str) -> QuantizedWeight | PackedQuantizedWeight | Fp8Weight | torch.Tensor:
     """The projection made of checkpoint projections `parts` (q/k/v, gate/up joined along the
     output dimension), as one grid; as a dense weight where the parts' grids differ."""
     if len(qs) == 1:
@@ -249,9 +253,11 @@ def _joined(qs: list, parts: list[str], where: str) -> QuantizedWeight | Fp8Weig
         # parts quantized with different act-order permutations cannot share one int4 layer
         return torch.cat([q.dequantize() for q in qs])
     try:
+        if all(isinstance(q, PackedQuantizedWeight) for q in qs):  # the codes stay packed, read part by part
+            return PackedQuantizedWeight.stacked(qs)
         return QuantizedWeight(codes=torch.cat([q.codes for q in qs]), scales=torch.cat([q.scales for q in qs]),
                                zeros=torch.cat([q.zeros for q in qs]), g_idx=qs[0].g_idx, scheme=qs[0].scheme)
-    except RuntimeError:
-        shapes = ", ".join(f"{p} {tuple(q.codes.shape)}" for p, q in zip(parts, qs))
+    except (RuntimeError, ValueError):
+        shapes = ", ".join(f"{p} {tuple(q.shape)}" for p, q in zip(parts, qs))
         raise LlmoptError(f"{where}: packed projections do not fit together: {shapes}") from None
 

@@ -25,11 +25,12 @@ from __future__ import annotations
 
 import torch
 
-from llmopt.kernels.cpu_int4 import PackedInt4, int4_linear_kernel, repack_int4
+from llmopt.kernels import cpu_int4
+from llmopt.kernels.cpu_int4 import PackedInt4, int4_linear_kernel, repack_int4_rows
 from llmopt.kernels.triton_int4 import PackedInt4 as TritonPackedInt4
-from llmopt.kernels.triton_int4 import int4_matmul, pack_int4, triton_available
+from llmopt.kernels.triton_int4 import int4_matmul, pack_int4_rows, triton_available
 from llmopt.model.linear import LinearBase
-from llmopt.core.quantized_weight import QuantizedWeight
+from llmopt.core.quantized_weight import PackedQuantizedWeight, QuantizedWeight
 
 KERNEL_GROUP_SIZES = (32, 64, 128, 256)
 
@@ -56,16 +57,18 @@ class Int4Linear(LinearBase):
         return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
 
-def int4_linear(q: QuantizedWeight, bias: torch.Tensor | None, dtype: torch.dtype) -> Int4Linear | None:
-    """The kernel layer for `q`, or None when the kernel cannot take it (caller keeps dense weights)."""
-    out_features, in_features = q.codes.shape
+def int4_linear(q: QuantizedWeight | PackedQuantizedWeight, bias: torch.Tensor | None,
+                dtype: torch.dtype) -> Int4Linear | None:
+    """The kernel layer for `q`, or None when the kernel cannot take it (caller keeps dense weights).
+    The codes are converted a slab of output rows at a time (PyTorch's packing is per 64 rows, so
+    the slabs give its layout for the whole weight)."""
+    out_features, in_features = q.shape
     groups = q.scales.shape[1]
-    codes, scales, zeros, perm = q.codes, q.scales, q.zeros.float(), None
+    scales, zeros, perm = q.scales, q.zeros.float(), None
     if not q.is_sequential():
         perm = torch.argsort(q.g_idx.long(), stable=True)
         if not torch.equal(torch.bincount(q.g_idx.long(), minlength=groups), torch.full((groups,), in_features // groups)):
             return None  # uneven groups cannot be made contiguous
-        codes = codes[:, perm]
     width = in_features // groups
     if width not in KERNEL_GROUP_SIZES:
         if groups == 1 and in_features % 64 == 0:  # per-channel grid: the same scale repeated per 64 columns
@@ -73,8 +76,15 @@ def int4_linear(q: QuantizedWeight, bias: torch.Tensor | None, dtype: torch.dtyp
             scales, zeros, width = scales.repeat(1, repeat), zeros.repeat(1, repeat), 64
         else:
             return None
+    packed = torch.empty(out_features, in_features // 2, dtype=torch.uint8)
+    step = 64 * max(1, cpu_int4.SLAB_CODES // (64 * in_features))
     try:
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 2)
+        for start in range(0, out_features, step):
+            stop = min(start + step, out_features)
+            codes = q.code_rows(start, stop)
+            if perm is not None:
+                codes = codes[:, perm]
+            packed[start:stop] = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 2)
     except RuntimeError:
         return None
     scales_and_zeros = torch.stack([scales.t(), ((8 - zeros) * scales).t()], dim=-1).to(dtype).contiguous()
@@ -111,11 +121,12 @@ class CpuInt4Linear(LinearBase):
         return y.view(*x.shape[:-1], self.out_features)
 
 
-def cpu_int4_linear(q: QuantizedWeight, bias: torch.Tensor | None) -> CpuInt4Linear | None:
-    """The C++ kernel layer for `q` (fp32 CPU models), or None when the kernel is not built or
-    cannot take the weight's layout (the caller keeps dense weights)."""
+def cpu_int4_linear(q: QuantizedWeight | PackedQuantizedWeight, bias: torch.Tensor | None) -> CpuInt4Linear | None:
+    """The C++ kernel layer for `q` (fp32 CPU models), its codes repacked a slab of output rows at
+    a time; None when the kernel is not built or cannot take the weight's layout (the caller keeps
+    dense weights)."""
     kernel = int4_linear_kernel()
-    packed = None if kernel is None else repack_int4(q.codes, q.scales, q.zeros, q.g_idx)
+    packed = None if kernel is None else repack_int4_rows(q.code_rows, q.shape, q.scales, q.zeros, q.g_idx)
     return None if packed is None else CpuInt4Linear(packed, bias, kernel)
 
 
@@ -147,14 +158,17 @@ class TritonInt4Linear(LinearBase):
         return int4_matmul(x, self.packed(), self.bias)
 
 
-def triton_int4_linear(q: QuantizedWeight, bias: torch.Tensor | None) -> TritonInt4Linear | None:
-    """The Triton kernel layer for `q` (packed on q's device), or None when Triton is not
-    installed or the kernel cannot take the weight's layout (the caller keeps dense weights)."""
+def triton_int4_linear(q: QuantizedWeight | PackedQuantizedWeight, bias: torch.Tensor | None,
+                       device: torch.device | str | None = None) -> TritonInt4Linear | None:
+    """The Triton kernel layer for `q`, packed on `device` (default: the CPU) a slab of output
+    channels at a time; None when Triton is not installed or the kernel cannot take the weight's
+    layout (the caller keeps dense weights)."""
     if not triton_available():
         return None
+    device = torch.device("cpu") if device is None else torch.device(device)
     try:
-        packed = pack_int4(q.codes, q.scales, q.zeros, q.g_idx)
+        packed = pack_int4_rows(q.code_rows, q.shape, q.scales, q.zeros, q.g_idx, device)
     except ValueError:
         return None
-    return TritonInt4Linear(packed, bias)
+    return TritonInt4Linear(packed, None if bias is None else bias.to(device))
 

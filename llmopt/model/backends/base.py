@@ -13,7 +13,7 @@ from typing import Callable
 import torch
 
 from llmopt.core.fp8_weight import Fp8Weight
-from llmopt.core.quantized_weight import QuantizedWeight
+from llmopt.core.quantized_weight import PackedQuantizedWeight, QuantizedWeight
 from llmopt.model.linear import LinearBase
 from llmopt.model.ops import REFERENCE_OPS, DecoderOps
 from llmopt.model.paged_attention import PagedAttention
@@ -36,9 +36,12 @@ class KernelBackend:
         `fp32_matmul_precision`, or None: their plain path (`F.linear`)."""
         return None
 
-    def int4_linear(self, weight: QuantizedWeight, bias: torch.Tensor | None, dtype: torch.dtype) -> LinearBase | None:
-        """The int4 layer for an AWQ / GPTQ projection of a model of `dtype`, or None where this
-        backend has none for its layout (the loader keeps the dense dequantized weight)."""
+    def int4_linear(self, weight: QuantizedWeight | PackedQuantizedWeight, bias: torch.Tensor | None,
+                    dtype: torch.dtype, device: torch.device | None = None) -> LinearBase | None:
+        """The int4 layer for an AWQ / GPTQ / compressed-tensors W4A16 projection of a model of
+        `dtype`, its codes repacked straight into the kernel's layout on `device` (default: the CPU),
+        or None where this backend has none for its layout (the loader keeps the dense dequantized
+        weight)."""
         return None
 
     def fp8_linear(self, weight: Fp8Weight, bias: torch.Tensor | None, dtype: torch.dtype) -> LinearBase | None:

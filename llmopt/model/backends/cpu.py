@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from llmopt.core.fp8_weight import Fp8Weight
-from llmopt.core.quantized_weight import QuantizedWeight
+from llmopt.core.quantized_weight import PackedQuantizedWeight, QuantizedWeight
 from llmopt.kernels.cpu_fused import fused_ops
 from llmopt.kernels.cpu_linear import bf16_linear, skinny_linear_kernel, uses_bf16
 from llmopt.kernels.cpu_paged_attention import KV_DTYPES as KERNEL_KV_DTYPES, decode_kernel
@@ -51,7 +51,8 @@ class CpuBackend(KernelBackend):
         (`llmopt.kernels.cpu_linear.uses_bf16`): several times fp32's rate at prompt sizes."""
         return bf16_linear if uses_bf16(precision) else None
 
-    def int4_linear(self, weight: QuantizedWeight, bias: torch.Tensor | None, dtype: torch.dtype) -> LinearBase | None:
+    def int4_linear(self, weight: QuantizedWeight | PackedQuantizedWeight, bias: torch.Tensor | None,
+                    dtype: torch.dtype, device: torch.device | None = None) -> LinearBase | None:
         return cpu_int4_linear(weight, bias) if dtype == torch.float32 else int4_linear(weight, bias, dtype)
 
     def fp8_linear(self, weight: Fp8Weight, bias: torch.Tensor | None, dtype: torch.dtype) -> LinearBase | None:

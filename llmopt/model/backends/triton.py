@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from llmopt.core.fp8_weight import Fp8Weight
-from llmopt.core.quantized_weight import QuantizedWeight
+from llmopt.core.quantized_weight import PackedQuantizedWeight, QuantizedWeight
 from llmopt.errors import LlmoptError
 from llmopt.model.backends.base import KernelBackend
 from llmopt.model.fp8_linear import triton_fp8_linear
@@ -25,8 +25,9 @@ class TritonBackend(KernelBackend):
 
         return DecoderOps(self.name, k.rms_norm, k.add_rms_norm, k.rotary, k.silu_and_mul)
 
-    def int4_linear(self, weight: QuantizedWeight, bias: torch.Tensor | None, dtype: torch.dtype) -> LinearBase | None:
-        return triton_int4_linear(weight, None if bias is None else bias.to(dtype))
+    def int4_linear(self, weight: QuantizedWeight | PackedQuantizedWeight, bias: torch.Tensor | None,
+                    dtype: torch.dtype, device: torch.device | None = None) -> LinearBase | None:
+        return triton_int4_linear(weight, None if bias is None else bias.to(dtype), device)
 
     def fp8_linear(self, weight: Fp8Weight, bias: torch.Tensor | None, dtype: torch.dtype) -> LinearBase | None:
         return triton_fp8_linear(weight, None if bias is None else bias.to(dtype))
