@@ -117,3 +117,32 @@ def test_serve_takes_quantization_on_llmopt_and_vllm_only(tiny_models):
                        "--quantization applies to --engine llmopt and vllm")
     assert_usage_error(["serve", str(tiny_models["llama"]), "--tensor-parallel-size", "2"],
                        "--tensor-parallel-size applies to --engine vllm only")
+
+
+@pytest.mark.parametrize("method", ["awq", "gptq"])
+def test_models_convert_writes_the_dummy_int4_checkpoint(tiny_models, tmp_path, method):
+    """`models convert --load-format dummy --quantization M` writes the dummy int4 model as a
+    checkpoint folder of that format, which loads to the dummy model's logits."""
+    from llmopt.loader import load
+    from llmopt.model.attention import EqualLengthAttention
+
+    out = tmp_path / method
+    code, err, _ = run_cli("models", "convert", str(tiny_models["llama"]), "-o", str(out), "--load-format", "dummy",
+                           "--quantization", method, "--dtype", "bfloat16")
+    assert code == 0, err
+    assert json.loads((out / "config.json").read_text())["quantization_config"]["quant_method"] == method
+    ids = torch.tensor([3, 14, 15, 92, 65, 35])
+
+    def logits(loaded):
+        with torch.inference_mode():
+            return loaded.model.compute_logits(loaded.model(ids, torch.arange(6), EqualLengthAttention(1, 6)))
+
+    dummy = load(str(tiny_models["llama"]), dtype="float32", load_format="dummy", quantization=method)
+    written = load(str(out), dtype="float32")
+    assert written.quantization.method == method
+    assert torch.equal(logits(written), logits(dummy))
+
+
+def test_models_convert_quantization_needs_dummy_weights(tiny_models, tmp_path):
+    assert_usage_error(["models", "convert", str(tiny_models["llama"]), "-o", str(tmp_path / "q"),
+                        "--quantization", "awq"], "--load-format dummy")

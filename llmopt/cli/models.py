@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import typer
 from rich.table import Table
@@ -86,6 +86,9 @@ def convert(
     load_format: str = typer.Option(
         "auto", "--load-format", help="auto: the model's weights; dummy: random weights of its shape (SPEC may be a "
         "shipped architecture such as llama-3-8b; sharded, with the default model's tokenizer)."),
+    quantization: Optional[str] = typer.Option(
+        None, "--quantization", help="With --load-format dummy: awq or gptq, an int4 checkpoint of that format "
+        "(random packed codes, as generate --load-format dummy --quantization loads)."),
     json_output: bool = typer.Option(False, "--json", help="Print one JSON document."),
 ) -> None:
     """Write a model as a Hugging Face folder (config.json + safetensors + tokenizer)."""
@@ -98,8 +101,10 @@ def convert(
         raise LlmoptError(f"unknown load format {load_format!r}; choose one of: {', '.join(LOAD_FORMATS)}")
     check_output(output, force, flag="--force")
     source = resolve(spec)
-    folder = convert_source(source, output, dtype=dtype, overwrite=force, load_format=load_format)
-    doc = {"spec": spec, "output": str(folder), "dtype": dtype, "load_format": load_format}
+    folder = convert_source(source, output, dtype=dtype, overwrite=force, load_format=load_format,
+                            quantization=quantization)
+    doc = {"spec": spec, "output": str(folder), "dtype": dtype, "load_format": load_format,
+           "quantization": quantization}
     if json_output:
         print_json(doc)
     else:

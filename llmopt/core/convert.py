@@ -60,11 +60,14 @@ def convert_gguf(gguf_path: Path, out: Path, dtype: str = "float32", overwrite: 
 
 
 def convert_source(source, out: Path, dtype: str = "float32", overwrite: bool = False,
-                   load_format: str = "auto") -> Path:
+                   load_format: str = "auto", quantization: str | None = None) -> Path:
     """Write any unquantized source (default, GGUF, folder, hub) as a Hugging Face folder; with
-    `load_format` "dummy", random weights of its shape (a shipped architecture works as the source)."""
+    `load_format` "dummy", random weights of its shape (a shipped architecture works as the source),
+    with `quantization` ("awq" / "gptq") its projections as random packed int4 tensors."""
     if load_format == "dummy":
-        return write_dummy_folder(source, out, dtype=dtype, overwrite=overwrite)
+        return write_dummy_folder(source, out, dtype=dtype, overwrite=overwrite, quantization=quantization)
+    if quantization is not None:
+        raise LlmoptError(f"--quantization {quantization}: random packed weights are written with --load-format dummy")
     if source.kind == "gguf":
         return convert_gguf(source.path, out, dtype=dtype, overwrite=overwrite)
     if source.quantization is not None and source.quantization.method in ("awq", "gptq", "compressed-tensors"):
@@ -82,15 +85,22 @@ def convert_source(source, out: Path, dtype: str = "float32", overwrite: bool = 
 DUMMY_SHARD_BYTES = 2 * 1024**3
 
 
-def write_dummy_folder(source, out: Path, dtype: str = "bfloat16", overwrite: bool = False) -> Path:
+def write_dummy_folder(source, out: Path, dtype: str = "bfloat16", overwrite: bool = False,
+                       quantization: str | None = None) -> Path:
     """A Hugging Face folder of random weights of `source`'s shape (`core.dummy.DummyWeights`),
-    with `source`'s tokenizer, sharded with an index as transformers writes one."""
-    from llmopt.core.dummy import DummyWeights
+    with `source`'s tokenizer, sharded with an index as transformers writes one; with
+    `quantization` ("awq" / "gptq"), an int4 checkpoint of that format (its packed tensors and
+    `quantization_config`; the other tensors in `dtype`)."""
+    from llmopt.core.dummy import DummyWeights, dummy_quantization
 
     torch_dtype = DTYPES[dtype]
     raw = {k: v for k, v in source.raw_config.items() if k != "quantization_config"}
     config = {**raw, "torch_dtype": dtype}
-    weights = DummyWeights(source.config)
+    quant = dummy_quantization(source.config, quantization) if quantization else None
+    if quant is not None:
+        config["quantization_config"] = {k: v for k, v in quant.details.items() if k != "dummy"}
+    weights = DummyWeights(source.config, quantization=quant)
+    stored = lambda name: weights.packed_dtype(name) or torch_dtype  # noqa: E731
     with atomic_dir(Path(out), overwrite=overwrite) as tmp:
         (tmp / "config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
         generation = {"bos_token_id": config.get("bos_token_id"), "eos_token_id": config.get("eos_token_id")}
@@ -100,7 +110,7 @@ def write_dummy_folder(source, out: Path, dtype: str = "bfloat16", overwrite: bo
         shards: list[list[str]] = [[]]
         size = 0
         for name, shape in weights.shapes.items():
-            nbytes = torch_dtype.itemsize * math.prod(shape)
+            nbytes = stored(name).itemsize * math.prod(shape)
             if shards[-1] and size + nbytes > DUMMY_SHARD_BYTES:
                 shards.append([])
                 size = 0
@@ -109,7 +119,7 @@ def write_dummy_folder(source, out: Path, dtype: str = "bfloat16", overwrite: bo
         weight_map, total = {}, 0
         for i, names in enumerate(shards, 1):
             file = "model.safetensors" if len(shards) == 1 else f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-            tensors = {name: weights.get(name).to(torch_dtype) for name in names}
+            tensors = {name: weights.get(name).to(stored(name)) for name in names}
             total += sum(t.numel() * t.element_size() for t in tensors.values())
             save_safetensors(tensors, tmp / file)
             del tensors
@@ -118,6 +128,7 @@ def write_dummy_folder(source, out: Path, dtype: str = "bfloat16", overwrite: bo
             index = {"metadata": {"total_size": total}, "weight_map": weight_map}
             (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2), encoding="utf-8")
         (tmp / "llmopt_source.json").write_text(json.dumps(
-            {"converted_from": source.spec, "load_format": "dummy", "llmopt_version": __version__}, indent=2),
+            {"converted_from": source.spec, "load_format": "dummy", "quantization": quantization,
+             "llmopt_version": __version__}, indent=2),
             encoding="utf-8")
     return Path(out)

@@ -134,6 +134,10 @@ class DummyWeights:
     def shape(self, name: str) -> tuple[int, ...]:
         return self.shapes[name]
 
+    def packed_dtype(self, name: str) -> torch.dtype | None:
+        """The dtype of a packed int4 tensor (qweight, qzeros, scales, g_idx); None for a dense one."""
+        return self._packed.get(name)
+
     def get(self, name: str) -> torch.Tensor:
         shape = self.shapes[name]
         if name.endswith("layernorm.weight") or name == "model.norm.weight":
