@@ -6,7 +6,8 @@ output has x's dtype.
 
 `pack_int4` takes what llmopt's core unpacks from AutoAWQ GEMM and GPTQ v1 checkpoints
 (codes [N, K] 0..15, scales [N, groups] float32, zeros [N, groups] int, g_idx [K]) and repacks
-it once, at load, into `PackedInt4`; `int4_matmul` picks one of four paths by row count:
+it once, at load, into `PackedInt4` (`pack_int4_rows`: a slab of output channels at a time, on the
+target device); `int4_matmul` picks one of four paths by row count:
 
 - `gemv`: M <= `PathThresholds.gemv_max_rows`. No tensor cores: each program dequantizes
   a [BLOCK_K, BLOCK_N] tile and reduces x_row * w over K in fp32, K split across programs.

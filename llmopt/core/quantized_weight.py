@@ -1,6 +1,8 @@
-"""Integer codes on a group-wise grid: what AWQ / GPTQ checkpoints hold, shared by the loader
-(which unpacks checkpoints into it), the int4 layers of the model, and the quantizer (which
-makes it and packs it)."""
+"""Integer codes on a group-wise grid: what AWQ / GPTQ checkpoints hold, shared by the loader,
+the int4 layers of the model, and the quantizer (which makes it and packs it).
+`QuantizedWeight` holds the codes unpacked; `PackedQuantizedWeight` (what the loader reads a
+checkpoint into) leaves them in the checkpoint's words and unpacks a slab of output rows on
+request, so the int4 layers repack a projection without its [out, in] code matrix."""
 
 from __future__ import annotations
 

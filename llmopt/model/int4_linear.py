@@ -5,8 +5,9 @@
   values; the weights stay 4-bit in memory, so a decode step reads ~1/7 of the fp32 bytes.
 - `Int4Linear` (bf16 / fp16 models): PyTorch's CPU int4 kernel (`_weight_int4pack_mm_for_cpu`).
 
-AWQ / GPTQ checkpoints are unpacked by the core into codes + per-group scales and zero
-points; each layer repacks them once, at load, into its kernel's layout. PyTorch's
+The core reads AWQ / GPTQ / compressed-tensors checkpoints into per-group scales and zero points
+with the codes left packed (`PackedQuantizedWeight`); each layer repacks the codes once, at load,
+a slab of output rows at a time, into its kernel's layout (on the target device for Triton). PyTorch's
 kernel computes w = (code - 8) * scale + offset per group, so our zero points become
 offset = (8 - zero) * scale. It needs groups of 32/64/128/256 contiguous input columns:
 act-order checkpoints (a permuted g_idx) are handled by permuting the input columns
