@@ -165,3 +165,38 @@ def test_layers_hold_the_whole_matrix_layout_and_logits_do_not_change(checkpoint
     reference = logits(load(str(folder), dtype="float32", int4_kernels=False).model)
     tolerance = 0.05 if backend == "cpu" else 1e-5
     assert float((want - reference).abs().max()) <= tolerance * float(reference.abs().max())
+
+
+@pytest.mark.parametrize("fmt", ["awq", "gptq", "compressed-tensors"])
+def test_code_rows_of_stacked_parts_are_the_unpacked_codes(fmt):
+    """Any slab of output rows (unaligned to the 8 codes of a word, across the parts of a stacked
+    projection) is that slab of the whole unpacked code matrix."""
+    from llmopt.core.compressed_tensors import CompressedTensorsScheme, read_int4_packed
+    from llmopt.core.quant_formats import pack_tensors, read_packed
+    from llmopt.core.quantized_weight import PackedQuantizedWeight, QuantScheme
+
+    g = torch.Generator().manual_seed(0)
+    parts, whole = [], []
+    scheme = CompressedTensorsScheme("pack-quantized", 4, "int", "group", 32, False, None, None, ())
+    for i, out in enumerate((24, 16, 40)):
+        q = QuantizedWeight(codes=torch.randint(0, 16, (out, 64), generator=g, dtype=torch.uint8),
+                            scales=torch.rand(out, 2, generator=g), zeros=torch.randint(1, 16, (out, 2), generator=g),
+                            g_idx=torch.arange(64, dtype=torch.int32) // 32, scheme=QuantScheme(4, 32))
+        t = pack_tensors(fmt, f"p{i}", q)
+        parts.append(read_int4_packed(t, f"p{i}", scheme) if fmt == "compressed-tensors"
+                     else read_packed(fmt, t, f"p{i}", 4, 32))
+        whole.append(q.codes)
+    stacked, codes = PackedQuantizedWeight.stacked(parts), torch.cat(whole)
+    assert stacked.shape == (80, 64) and torch.equal(stacked.unpacked().codes, codes)
+    for start, stop in ((0, 80), (5, 37), (23, 25), (40, 41), (63, 80)):
+        assert torch.equal(stacked.code_rows(start, stop), codes[start:stop]), (start, stop)
+
+
+def test_malformed_packed_tensors_are_one_clear_error():
+    from llmopt.core.quant_formats import read_packed
+    from llmopt.errors import LlmoptError
+
+    tensors = {"p.qweight": torch.zeros(64, dtype=torch.int32), "p.qzeros": torch.zeros(2, 1, dtype=torch.int32),
+               "p.scales": torch.ones(2, 8, dtype=torch.float16)}
+    with pytest.raises(LlmoptError, match="p: packed tensors do not fit together"):
+        read_packed("gptq", tensors, "p", 4, 32)

@@ -86,10 +86,10 @@ def read_packed(fmt: str, tensors: dict[str, torch.Tensor], prefix: str, bits: i
     except KeyError as exc:
         raise LlmoptError(f"{fmt.upper()} checkpoint is missing tensor {exc.args[0]}") from None
     if qweight.dim() != 2 or qzeros.dim() != 2 or scales.dim() != 2 \
-            or qweight.dtype != torch.int32 or qzeros.dtype != torch.int32:
+            or qweight.dtype.is_floating_point or qzeros.dtype.is_floating_point:
         raise LlmoptError(f"{prefix}: packed tensors do not fit together: qweight {qweight.dtype} "
                           f"{tuple(qweight.shape)}, qzeros {qzeros.dtype} {tuple(qzeros.shape)}, scales "
-                          f"{tuple(scales.shape)} (2-D int32 words expected)")
+                          f"{tuple(scales.shape)} (2-D tensors of 32-bit words expected)")
     if fmt == "awq":
         in_features, out_features = qweight.shape[0], qweight.shape[1] * 8
         zeros = unpack_columns(qzeros, AWQ_ORDER).t().contiguous()
