@@ -1,12 +1,12 @@
 """4-bit (and 8-bit) weight x fp32 activation linear layers on CPU, in C++ (`csrc/int4_linear.cpp`).
 
-AWQ and GPTQ checkpoints store 4-bit codes with a scale and zero point per group of input
-columns. `repack_int4` (`repack_int4_rows`: a slab of output rows at a time) turns such codes,
-once at load, into the layout the kernel streams: output rows in tiles of 8 (padded with zero rows), each tile's 32-column blocks as 128
-bytes interleaved so one 32-byte load holds 4 codes of each of the 8 rows (low nibbles:
-columns 4c..4c+3, high nibbles: 16 + 4c..), and per group the 8 rows' float scales and
-scale * zero side by side (the kernel's header comment says why). Act-order (GPTQ `desc_act`) weights
-get their input columns sorted by group once here, and the kernel reads the activations
+AWQ and GPTQ checkpoints store 4-bit codes with a scale and zero point per group of input columns.
+`repack_int4` (`repack_int4_rows`: a slab of output rows at a time) turns such codes, once at load,
+into the layout the kernel streams: output rows in tiles of 8 (padded with zero rows), each tile's
+32-column blocks as 128 bytes interleaved so one 32-byte load holds 4 codes of each of the 8 rows
+(low nibbles: columns 4c..4c+3, high nibbles: 16 + 4c..), and per group the 8 rows' float scales and
+scale * zero side by side (the kernel's header comment says why). Act-order (GPTQ `desc_act`)
+weights get their input columns sorted by group once here, and the kernel reads the activations
 through that permutation; per-channel weights are one group as wide as the row.
 
 `repack_int8` quantizes an fp32 weight to 8 bits per 32 columns (llama.cpp's Q8_0, which

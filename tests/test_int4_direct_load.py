@@ -15,7 +15,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from llmopt.core.quant_packing import AWQ_ORDER, awq_unpack, gptq_unpack, unpack_columns
+from llmopt.core.quant_packing import awq_unpack, gptq_unpack, unpack_columns
 from llmopt.core.quantized_weight import QuantizedWeight
 from llmopt.core.weights import CheckpointReader
 from llmopt.kernels import cpu_int4, triton_int4

@@ -211,7 +211,9 @@ class _CompressedTensorsReader:
             ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point", "weight_g_idx")
         tensors = {f"{prefix}.{s}": self.weights[f"{prefix}.{s}"] for s in suffixes if f"{prefix}.{s}" in self.weights}
         with one_thread():
-            return read_fp8(tensors, prefix, self.scheme) if self.fp8 else read_int4_packed(tensors, prefix, self.scheme)
+            if self.fp8:
+                return read_fp8(tensors, prefix, self.scheme)
+            return read_int4_packed(tensors, prefix, self.scheme)
 
 
 def _grid_reader(weights: Weights, quant: QuantizationInfo | None, int4_kernels: bool,

@@ -85,7 +85,8 @@ def int4_linear(q: QuantizedWeight | PackedQuantizedWeight, bias: torch.Tensor |
             codes = q.code_rows(start, stop)
             if perm is not None:
                 codes = codes[:, perm]
-            packed[start:stop] = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 2)
+            codes = codes.to(torch.int32).contiguous()
+            packed[start:stop] = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 2)
     except RuntimeError:
         return None
     scales_and_zeros = torch.stack([scales.t(), ((8 - zeros) * scales).t()], dim=-1).to(dtype).contiguous()
