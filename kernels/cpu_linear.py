@@ -10,10 +10,11 @@ inputs (prompt chunks, perplexity windows) keep MKL, which wins there, or take t
 
 The bf16 path (`bf16_linear`): oneDNN's matmul with fp32 inputs and outputs in its bf16 math
 mode (PyTorch's `torch.backends.mkldnn.matmul.fp32_precision = "bf16"`): inputs rounded to
-bfloat16, products summed and returned in fp32. On CPUs with AMX-BF16 tiles or AVX512-BF16 dot
-products it multiplies several times faster than fp32 at prompt sizes; the rounding of the inputs
-is what it costs (relative error ~2^-9 per input, measured on the default model in
-docs/benchmarks.md).
+bfloat16, products summed and returned in fp32. On CPUs with AMX-BF16 tiles it multiplies several
+times faster than fp32 at prompt sizes; the rounding of the inputs is what it costs (relative error
+~2^-9 per input, measured on the default model in docs/benchmarks.md). On AVX512-BF16 without AMX
+(AMD Zen 4 here) oneDNN's bf16 mode returns results with errors of bfloat16 size (up to ~2^-9 of
+the largest output, measured: 50x an fp32 GEMM's), so "auto" leaves those CPUs on fp32.
 """
 
 from __future__ import annotations
@@ -43,24 +44,24 @@ def skinny_linear_kernel() -> Callable | None:
 
 
 def native_bf16() -> bool:
-    """Whether this CPU multiplies bfloat16 natively (AMX-BF16 tiles or AVX512-BF16 dot products:
-    `/proc/cpuinfo` flags amx_bf16, avx512_bf16), oneDNN can use it, and the CPU kernels' SIMD path is
-    not capped below AVX-512 (`LLMOPT_CPU_ISA=avx2` keeps every product on the AVX2-era fp32 paths).
-    Without native bf16 oneDNN emulates it at about the cost of fp32, so "auto" keeps fp32 there."""
+    """Whether this CPU has AMX-BF16 tiles (`/proc/cpuinfo` flag amx_bf16), oneDNN can use them, and the
+    CPU kernels' SIMD path is not capped below AVX-512 (`LLMOPT_CPU_ISA=avx2` keeps every product on
+    the AVX2-era fp32 paths). Only there does oneDNN's bf16 mode sum and return fp32 (without AVX-512
+    it emulates bf16 at about fp32's cost; with AVX512-BF16 alone its results carry bf16 rounding)."""
     ops = cpu_ops()
     if ops is not None and ops.cpu_isa() in ("scalar", "avx2"):
         return False
-    return _cpu_has_bf16() and _onednn_bf16()
+    return _cpu_has_amx_bf16() and _onednn_bf16()
 
 
 @functools.cache
-def _cpu_has_bf16() -> bool:
+def _cpu_has_amx_bf16() -> bool:
     try:
         info = Path("/proc/cpuinfo").read_text()
     except OSError:
         return False
     flags = set(next((line for line in info.splitlines() if line.startswith("flags")), "").split())
-    return bool(flags & {"amx_bf16", "avx512_bf16"})
+    return "amx_bf16" in flags
 
 
 def _onednn_bf16() -> bool:
@@ -69,7 +70,7 @@ def _onednn_bf16() -> bool:
 
 def uses_bf16(precision: str) -> bool:
     """Whether fp32 prompt-sized products take `bf16_linear` under `precision` (FP32_MATMUL_PRECISIONS):
-    "bf16" wherever oneDNN has a bf16 path, "auto" where the CPU has it natively, "ieee" never."""
+    "bf16" wherever oneDNN has a bf16 path, "auto" where the CPU has AMX-BF16 (`native_bf16`), "ieee" never."""
     if precision not in FP32_MATMUL_PRECISIONS:
         raise ValueError(f"unknown fp32 matmul precision {precision!r}; choose one of: {', '.join(FP32_MATMUL_PRECISIONS)}")
     if precision == "bf16":
@@ -85,7 +86,7 @@ _mode_lock = threading.Lock()
 
 def bf16_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, w, bias)` for fp32 CPU tensors with bf16-rounded inputs, fp32 sums and result
-    (oneDNN: AMX or AVX512-BF16 where the CPU has them)."""
+    (oneDNN: AMX tiles where the CPU has them; on AVX512-BF16 alone the results carry bf16 rounding)."""
     matmul = torch.backends.mkldnn.matmul
     with _mode_lock:
         previous = matmul.fp32_precision

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from llmopt.errors import LlmoptError
+from llmopt.kernels import cpu_linear
 from llmopt.kernels.cpu_extension import cpu_ops
 from llmopt.kernels.cpu_linear import SKINNY_MAX_ROWS, _onednn_bf16, bf16_linear, skinny_linear_kernel, uses_bf16
 from llmopt.model.backends import CpuBackend, ReferenceBackend
@@ -131,11 +132,9 @@ def test_dense_linear_bf16_copy_serves_every_row_count():
 
 
 def test_auto_is_bf16_where_the_cpu_has_it_natively_and_the_isa_is_not_capped(fp32_matmul_auto_is_ieee, monkeypatch):
-    from llmopt.kernels import cpu_linear
-
     native = fp32_matmul_auto_is_ieee  # the real check (the suite resolves auto to ieee)
     ops = cpu_ops()
-    assert native() == (cpu_linear._cpu_has_bf16() and _onednn_bf16() and ops.cpu_isa() not in ("scalar", "avx2"))
+    assert native() == (cpu_linear._cpu_has_amx_bf16() and _onednn_bf16() and ops.cpu_isa() not in ("scalar", "avx2"))
     previous = ops.set_cpu_isa("avx2")
     try:
         assert not native()  # LLMOPT_CPU_ISA=avx2: every product on the fp32 paths
@@ -157,8 +156,10 @@ def test_fp32_matmul_precision_names():
 @needs_onednn_bf16
 @pytest.mark.parametrize("rows,n_in,n_out", [(97, 576, 960), (512, 1536, 576), (130, 37, 13)])
 def test_bf16_linear_is_the_product_of_bf16_rounded_inputs(rows, n_in, n_out):
-    """fp32 in and out, inputs rounded to bfloat16, sums in fp32: as close to the float64 product of the
-    rounded inputs as an fp32 GEMM is to its own; and PyTorch's math mode is back to what it was."""
+    """fp32 in and out, inputs rounded to bfloat16, sums in fp32 on AMX: as close to the float64 product of
+    the rounded inputs as an fp32 GEMM is to its own (without AMX, on AVX512-BF16, oneDNN's results carry
+    errors of bfloat16 size: within 2^-8 of the largest output there, measured 2^-9.4); and PyTorch's
+    math mode is back to what it was."""
     gen = torch.Generator().manual_seed(rows + n_in)
     x = torch.randn(rows, n_in, generator=gen)
     w = torch.randn(n_out, n_in, generator=gen) * n_in ** -0.5
@@ -168,9 +169,13 @@ def test_bf16_linear_is_the_product_of_bf16_rounded_inputs(rows, n_in, n_out):
     assert torch.backends.mkldnn.matmul.fp32_precision == before
     assert got.dtype == torch.float32 and got.shape == (rows, n_out)
     ref = _reference(x.bfloat16().float(), w.bfloat16().float(), b)
-    assert (got.double() - ref).abs().max().item() < 4e-7 * n_in ** 0.5 * ref.abs().max().item() + 1e-5
-    # and it is not the fp32 product: the rounding of the inputs shows
-    assert (got.double() - _reference(x, w, b)).abs().max().item() > 1e-4
+    if cpu_linear._cpu_has_amx_bf16():
+        assert (got.double() - ref).abs().max().item() < 4e-7 * n_in ** 0.5 * ref.abs().max().item() + 1e-5
+        # and it is not the fp32 product: the rounding of the inputs shows (without AMX, oneDNN keeps
+        # small products such as 37 inputs on its fp32 kernels)
+        assert (got.double() - _reference(x, w, b)).abs().max().item() > 1e-4
+    else:
+        assert (got.double() - ref).abs().max().item() < 2.0 ** -8 * ref.abs().max().item()
 
 
 @needs_onednn_bf16

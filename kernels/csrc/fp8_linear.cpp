@@ -60,10 +60,12 @@ const std::array<float, 256>& fp8_table() {
   return table;
 }
 
-// the k tail of one output element, after the SIMD steps: s += x[r] * w[r] for r in [k, K)
+// the k tail of one output element, after the SIMD steps: s += x[r] * w[r] for r in [k, K).
+// An explicit fma: with `s += x * t` the compiler fuses or not depending on where it inlines the
+// tail (1-row vs 2-row tiles came out different on a Zen 4 build), which broke batch invariance.
 inline float tail(float s, const float* x, const uint8_t* w, int64_t k, int64_t K) {
   const auto& t = fp8_table();
-  for (; k < K; ++k) s += x[k] * t[w[k]];
+  for (; k < K; ++k) s = std::fma(x[k], t[w[k]], s);
   return s;
 }
 

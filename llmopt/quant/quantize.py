@@ -92,8 +92,8 @@ class QuantizeRequest:
                         choices=tuple(DTYPES))
     fp32_matmul_precision: str = option(
         "auto", "What the calibration's large float32 products compute in (the forward's linears, AWQ's scale "
-        "search, GPTQ's Hessian): ieee (float32); bf16 (bfloat16 inputs, float32 sums: AMX / AVX512-BF16, several "
-        "times the float32 rate); auto: bf16 where the CPU has AMX-BF16 or AVX512-BF16, else ieee "
+        "search, GPTQ's Hessian): ieee (float32); bf16 (bfloat16 inputs, float32 sums on AMX tiles, several "
+        "times the float32 rate); auto: bf16 where the CPU has AMX-BF16, else ieee "
         "(as the engine's flag).", choices=FP32_MATMUL_PRECISIONS)
     max_shard_size: str = option(DEFAULT_MAX_SHARD_SIZE, "Largest safetensors file (e.g. 5GB, 500MB): a larger "
                                  "checkpoint is split into shards with model.safetensors.index.json, as transformers does.")

@@ -54,9 +54,9 @@ class EngineConfig:
         "16-bit on an fp32 model holds twice the tokens, fp8 four times.")
     fp32_matmul_precision: str = engine_option(
         "auto", "float32 models on CPU: what the matrix products of prompt chunks (over 96 rows) compute in: ieee "
-        "(float32); bf16 (bfloat16 inputs, float32 sums and results: AMX tiles or AVX512-BF16, 4-6x the float32 "
-        "rate per product, logits ~1e-4 nats KLD from ieee on the default model); auto: bf16 where the CPU has "
-        "AMX-BF16 or AVX512-BF16, else ieee. Decode steps stay float32.", choices=FP32_MATMUL_PRECISIONS)
+        "(float32); bf16 (bfloat16 inputs, float32 sums and results on AMX tiles, 4-6x the float32 "
+        "rate per product, logits ~1e-4 nats KLD from ieee on the default model; without AMX oneDNN's results carry "
+        "bf16 rounding); auto: bf16 where the CPU has AMX-BF16, else ieee. Decode steps stay float32.", choices=FP32_MATMUL_PRECISIONS)
     # speculative decoding: a SpeculativeConfig, or its keys as a dict (vLLM's speculative_config);
     # EngineArgs builds it from the speculative flags
     speculative_config: SpeculativeConfig | dict[str, Any] | None = None

@@ -47,7 +47,7 @@ class CpuBackend(KernelBackend):
         return skinny, weight.detach().to_mkldnn() if wide else None
 
     def fp32_prefill_linear(self, precision: str):
-        """bf16 math (oneDNN: AMX-BF16 / AVX512-BF16) where `precision` asks for it on this CPU
+        """bf16 math (oneDNN on AMX-BF16 tiles) where `precision` asks for it on this CPU
         (`llmopt.kernels.cpu_linear.uses_bf16`): several times fp32's rate at prompt sizes."""
         return bf16_linear if uses_bf16(precision) else None
 
