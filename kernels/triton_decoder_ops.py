@@ -37,6 +37,30 @@ def _to(x, dtype: tl.constexpr):
 
 
 @triton.jit
+def _row_tile(x_ptr, residual_ptr, residual_out_ptr, row, cols, mask, stride_x, stride_r, stride_ro,
+              HAS_RESIDUAL: tl.constexpr, STORE_SUM: tl.constexpr):
+    """A tile of x's row in fp32; with a residual, residual + x rounded to x's dtype (stored where
+    STORE_SUM)."""
+    x_dtype = x_ptr.dtype.element_ty
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        x += tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
+        summed = _to(x, x_dtype)
+        if STORE_SUM:
+            tl.store(residual_out_ptr + row * stride_ro + cols, summed, mask=mask)
+        x = summed.to(tl.float32)
+    return x
+
+
+@triton.jit
+def _store_normed(x, rstd, weight_ptr, out_ptr, row, cols, mask, stride_o, x_dtype: tl.constexpr):
+    """x * rstd rounded to x's dtype, times the weight, stored (the reference's order)."""
+    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    normed = _to(x * rstd, x_dtype).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + cols, _to(normed * w, out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _rms_norm_kernel(
     x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
     n_cols, stride_x, stride_r, stride_o, stride_ro,
@@ -50,40 +74,26 @@ def _rms_norm_kernel(
     if ONE_PASS:  # the whole row in one tile, kept in registers
         cols = tl.arange(0, BLOCK)
         mask = cols < n_cols
-        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-        if HAS_RESIDUAL:
-            x += tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
-            summed = _to(x, x_dtype)
-            tl.store(residual_out_ptr + row * stride_ro + cols, summed, mask=mask)
-            x = summed.to(tl.float32)
+        x = _row_tile(x_ptr, residual_ptr, residual_out_ptr, row, cols, mask, stride_x, stride_r, stride_ro,
+                      HAS_RESIDUAL, True)
         rstd = tl.math.rsqrt(tl.sum(x * x, axis=0) / n_cols + eps)
-        w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        normed = _to(x * rstd, x_dtype).to(tl.float32)
-        tl.store(out_ptr + row * stride_o + cols, _to(normed * w, out_ptr.dtype.element_ty), mask=mask)
+        _store_normed(x, rstd, weight_ptr, out_ptr, row, cols, mask, stride_o, x_dtype)
     else:  # pass 1: sum of squares (storing residual + x); pass 2: normalize
         acc = tl.zeros([BLOCK], dtype=tl.float32)
         for start in range(0, n_cols, BLOCK):
             cols = start + tl.arange(0, BLOCK)
             mask = cols < n_cols
-            x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-            if HAS_RESIDUAL:
-                x += tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
-                summed = _to(x, x_dtype)
-                tl.store(residual_out_ptr + row * stride_ro + cols, summed, mask=mask)
-                x = summed.to(tl.float32)
+            x = _row_tile(x_ptr, residual_ptr, residual_out_ptr, row, cols, mask, stride_x, stride_r, stride_ro,
+                          HAS_RESIDUAL, True)
             acc += x * x
         rstd = tl.math.rsqrt(tl.sum(acc, axis=0) / n_cols + eps)
         for start in range(0, n_cols, BLOCK):
             cols = start + tl.arange(0, BLOCK)
             mask = cols < n_cols
             # the inputs again, not what pass 1 stored: reading that back would need a barrier
-            x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-            if HAS_RESIDUAL:
-                x += tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
-                x = _to(x, x_dtype).to(tl.float32)
-            w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-            normed = _to(x * rstd, x_dtype).to(tl.float32)
-            tl.store(out_ptr + row * stride_o + cols, _to(normed * w, out_ptr.dtype.element_ty), mask=mask)
+            x = _row_tile(x_ptr, residual_ptr, residual_out_ptr, row, cols, mask, stride_x, stride_r, stride_ro,
+                          HAS_RESIDUAL, False)
+            _store_normed(x, rstd, weight_ptr, out_ptr, row, cols, mask, stride_o, x_dtype)
 
 
 def norm_meta(n_cols: int, has_residual: bool) -> dict:
