@@ -80,6 +80,14 @@ def test_graphs_only_on_cuda_without_enforce_eager(tiny_models):
         assert runner.graph_runner is None and runner.attn.k_caches.shape[1] == 16 * 16  # no scratch block
 
 
+def test_serve_engine_vllm_gets_enforce_eager(monkeypatch):
+    from llmopt.serve import launch
+
+    monkeypatch.setattr(launch.shutil, "which", lambda name: "/usr/bin/vllm")
+    assert "--enforce-eager" not in launch.vllm_command(launch.ServeArgs("m", engine=EngineArgs()))
+    assert "--enforce-eager" in launch.vllm_command(launch.ServeArgs("m", engine=EngineArgs(enforce_eager=True)))
+
+
 def _load(tiny_models, backend: str, monkeypatch, device: str = "cpu"):
     monkeypatch.setenv("LLMOPT_KERNELS", backend)
     loaded = load(str(tiny_models["llama"]), dtype="float32", device=device)

@@ -88,7 +88,8 @@ class ModelRunner:
         self.decode_plan = build_decode_plan(model, kv_dtype) if self.attn.cpu_decode is not None else None
         self.graph_runner: GraphRunner | None = None
         if graphs is not None and (not graphs.capture or (device.type == "cuda" and self.attn.supports_cuda_graphs)):
-            self.graph_runner = GraphRunner(model, self.attn, graphs, block_size, dtype, device, scratch_block=num_blocks)
+            self.graph_runner = GraphRunner(model, self.attn, graphs, block_size, dtype, device,
+                                            scratch_block=num_blocks)
 
     def _slots(self, seq: Sequence, start: int, end: int) -> list[int]:
         bs, table = self.block_size, seq.block_table
@@ -132,7 +133,7 @@ class ModelRunner:
         spec_token_ids = spec_token_ids or {}
         decodes = [(s, n) for s, n in scheduled if n == 1]
         prefills = [(s, n) for s, n in scheduled if n > 1]
-        if (self.graph_runner is not None and not prefills
+        if (self.graph_runner is not None and decodes and not prefills
                 and self.graph_runner.can_run(len(decodes), max(s.num_computed_tokens + 1 for s, _ in decodes))):
             return self._execute_graph(decodes, score_prompts)
         ids: list[int] = []
@@ -232,7 +233,8 @@ class ModelRunner:
         hidden = self.graph_runner.run(
             ids=[s.token_ids[p] for (s, _), p in zip(decodes, positions)], positions=positions,
             slots=[self._slots(s, p, p + 1)[0] for (s, _), p in zip(decodes, positions)],
-            lens=[p + 1 for p in positions], tables=[s.block_table[: p // bs + 1] for (s, _), p in zip(decodes, positions)])
+            lens=[p + 1 for p in positions],
+            tables=[s.block_table[: p // bs + 1] for (s, _), p in zip(decodes, positions)])
         samplers = [s for (s, _), p in zip(decodes, positions) if p + 1 == s.num_tokens]
         rows = [i for i, ((s, _), p) in enumerate(zip(decodes, positions)) if p + 1 == s.num_tokens]
         prompts_done: list[Sequence] = []
@@ -244,9 +246,10 @@ class ModelRunner:
             for i, (seq, n) in enumerate(decodes):
                 if seq.prompt_logprobs is not None and seq.num_computed_tokens < seq.num_prompt_tokens:
                     prompt_scores.append((seq, self._score_prompt(hidden, seq, i, n)))
-        if rows:
-            index = torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)
-            logits = self.model.compute_logits(hidden[index])
+        if len(rows) == len(decodes):  # every row samples (the usual decode step): no index to send
+            logits = self.model.compute_logits(hidden)
+        elif rows:
+            logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
         else:
             logits = torch.empty(0, self.model.config.vocab_size)
         return RunnerOutput(logits, samplers, [1] * len(samplers), prompt_scores, prompts_done)
