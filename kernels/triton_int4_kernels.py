@@ -181,13 +181,18 @@ def _split_k(device: torch.device, programs: int, k_tiles: int) -> int:
 
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
+# counters a larger buffer replaced: kept alive, as CUDA graphs captured on them still use them
+_RETIRED_COUNTERS: list[torch.Tensor] = []
 
 
 def _tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
     """The split-K arrival counters, one int32 per output tile, zero between launches (each
-    launch's last program resets its tiles); grown, zeroed, when a launch has more tiles."""
+    launch's last program resets its tiles); grown, zeroed, when a launch has more tiles (the old
+    buffer is never freed: a captured graph may hold its address)."""
     counters = _COUNTERS.get(device)
     if counters is None or counters.numel() < tiles:
+        if counters is not None:
+            _RETIRED_COUNTERS.append(counters)
         counters = _COUNTERS[device] = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
     return counters
 

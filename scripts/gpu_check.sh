@@ -7,7 +7,7 @@
 #
 # Steps, in order of what a lent GPU is for; each cut off by `timeout`, all under one overall
 # deadline (BUDGET_S, default 420 s: a step that would start with under 20 s left is skipped and
-# says so). At most 8 files come back from $OUT, so there are 7: log.txt (every step's output, the
+# says so). At most 8 files come back from $OUT, and there are 8: log.txt (every step's output, the
 # machine and versions first), steps.json (each step's command, exit code and seconds) and, JSON:
 #   pytest        the Triton kernel and runtime tests on CUDA, in parallel (-n 8 with pytest-xdist),
 #                 --timeout per test with pytest-timeout: pytest.xml (JUnit)
@@ -16,10 +16,11 @@
 #                 Llama-3-8B shapes at M <= 16; decode attention vs copy bandwidth at 4k context:
 #                 kernels.json
 #   latency-*     `bench latency` of a Llama-3-8B-shaped dummy model (random weights, nothing read),
-#                 batch 1 and 32, with the HBM roofline (MBU): fp16, and AWQ int4 where
-#                 `--quantization` exists: latency-fp16.json, latency-awq.json
+#                 batch 1 and 32, with the HBM roofline (MBU): fp16 with its decode steps replayed
+#                 from CUDA graphs, the same with --enforce-eager (every step eager: what the graphs
+#                 save), and AWQ int4 where `--quantization` exists: latency-fp16.json,
+#                 latency-eager.json, latency-awq.json
 #   sweep         GEMV / split-K configurations on the four 8B shapes, M = 1..16: sweep.json
-# CUDA graphs are not in llmopt yet (no --enforce-eager flag): the log says so and the decode runs eager.
 # The dry check: `DRY_RUN=1 OUT=/tmp/x bash scripts/gpu_check.sh` lists every step with its command
 # (or why it would be skipped) and runs none (tests/test_gpu_check.py parses each command's flags).
 set -uo pipefail
@@ -169,10 +170,15 @@ collect kernels "$WORK/kernels"
 # 4. end to end: a Llama-3-8B-shaped dummy model (random weights), batch 1 and 32, tokens/s beside the roofline
 LATENCY=(-m llmopt bench latency llama-3-8b --load-format dummy --device cuda --dtype float16 --batch-size 1,32
          --input-len 128 --output-len 64 --num-iters-warmup 1 --num-iters 2 --kv-cache-memory 8GiB)
-has_flag --enforce-eager || echo "== no --enforce-eager: llmopt has no CUDA graphs yet, the decode runs eager" \
-  | tee -a "$LOG"
 step latency-fp16 70 "$PY" "${LATENCY[@]}" --output "$WORK/latency-fp16"
 collect latency-fp16 "$WORK/latency-fp16"
+# 4b. the same, every step eager: CUDA graphs' gain is latency-fp16 against this
+if has_flag --enforce-eager; then
+  step latency-eager 60 "$PY" "${LATENCY[@]}" --enforce-eager --output "$WORK/latency-eager"
+  collect latency-eager "$WORK/latency-eager"
+else
+  skip latency-eager "bench latency has no --enforce-eager flag in this checkout (no CUDA graphs)"
+fi
 if has_flag --quantization; then
   step latency-awq 70 "$PY" "${LATENCY[@]}" --quantization awq --output "$WORK/latency-awq"
   collect latency-awq "$WORK/latency-awq"

@@ -19,7 +19,7 @@ from llmopt.cli.main import app
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"
-STEPS = ["pytest", "bf16", "kernels", "latency-fp16", "latency-awq", "sweep"]
+STEPS = ["pytest", "bf16", "kernels", "latency-fp16", "latency-eager", "latency-awq", "sweep"]
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +66,7 @@ def test_a_bad_flag_does_not_parse():
 def test_llmopt_commands_parse(dry_run):
     commands = {s["step"]: s["command"] for s in dry_run if s["command"]}
     latency_flags = {o for p in _llmopt_context(["bench", "latency"]).command.params for o in p.opts}
-    for step in ("kernels", "latency-fp16", "latency-awq"):
+    for step in ("kernels", "latency-fp16", "latency-eager", "latency-awq"):
         if step == "latency-awq" and "--quantization" not in latency_flags:
             status = next(s["status"] for s in dry_run if s["step"] == step)
             assert "--quantization" in status  # skipped, saying why
@@ -75,6 +75,11 @@ def test_llmopt_commands_parse(dry_run):
         assert ctx.params["device"] == "cuda"
     fp16 = _llmopt_context(_module_args(commands["latency-fp16"], "llmopt")).params
     assert fp16["model"] == "llama-3-8b" and fp16["load_format"] == "dummy" and fp16["dtype"] == "float16"
+    # eager vs CUDA graphs: the same run but for --enforce-eager
+    eager = _llmopt_context(_module_args(commands["latency-eager"], "llmopt")).params
+    assert not fp16["enforce_eager"] and eager["enforce_eager"]
+    assert {k: v for k, v in eager.items() if k not in ("enforce_eager", "output")} == \
+        {k: v for k, v in fp16.items() if k not in ("enforce_eager", "output")}
 
 
 def test_sweep_arguments_parse(dry_run):

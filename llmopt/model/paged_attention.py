@@ -54,6 +54,8 @@ class PagedAttention(AttentionBackend):
 
     block_table_dtype = torch.int64  # of block tables and context lengths: what the C++ decode kernel reads
     needs_prefill_tables = False  # whether the step's prompt chunks come as `StepMetadata.prefill_*` tables
+    # whether a decode step's launches depend on nothing but its tensors (CUDA graphs may replay them)
+    supports_cuda_graphs = False
 
     def __init__(self, k_caches: torch.Tensor, v_caches: torch.Tensor, cpu_decode: Callable | None = None):
         self.k_caches = k_caches  # [layers, slots, kv_heads, head_dim]
@@ -89,6 +91,7 @@ class TritonPagedAttention(PagedAttention):
 
     block_table_dtype = torch.int32
     needs_prefill_tables = True
+    supports_cuda_graphs = True
 
     def __init__(self, k_caches: torch.Tensor, v_caches: torch.Tensor):
         super().__init__(k_caches, v_caches)

@@ -55,15 +55,22 @@ class EngineConfig:
     fp32_matmul_precision: str = engine_option(
         "auto", "float32 models on CPU: what the matrix products of prompt chunks (over 96 rows) compute in: ieee "
         "(float32); bf16 (bfloat16 inputs, float32 sums and results on AMX tiles, 4-6x the float32 "
-        "rate per product, logits ~1e-4 nats KLD from ieee on the default model; without AMX oneDNN's results carry "
-        "bf16 rounding); auto: bf16 where the CPU has AMX-BF16, else ieee. Decode steps stay float32.", choices=FP32_MATMUL_PRECISIONS)
+        "rate per product, logits ~1e-4 nats KLD from ieee on the default model; without AMX oneDNN's results "
+        "carry bf16 rounding); auto: bf16 where the CPU has AMX-BF16, else ieee. Decode steps stay float32.",
+        choices=FP32_MATMUL_PRECISIONS)
+    enforce_eager: bool = engine_option(
+        False, "Run every step eager: no CUDA graphs (on CUDA with the Triton kernels, pure-decode steps replay a "
+        "graph per batch-size bucket, captured at start-up).", "--enforce-eager")
+    max_seq_len_to_capture: int = engine_option(
+        8192, "Longest context a CUDA graph covers (the graphs' block tables); decode steps with a longer one run "
+        "eager.", ge=1)
     # speculative decoding: a SpeculativeConfig, or its keys as a dict (vLLM's speculative_config);
     # EngineArgs builds it from the speculative flags
     speculative_config: SpeculativeConfig | dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         self.speculative_config = SpeculativeConfig.from_value(self.speculative_config)
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_seq_len_to_capture"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise LlmoptError(f"{name} must be a positive integer, got {value!r}")

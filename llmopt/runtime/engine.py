@@ -20,6 +20,7 @@ import torch
 from llmopt.loader import LoadedModel
 from llmopt.errors import LlmoptError
 from llmopt.runtime.closing import CLOSING_WINDOW, output_closure
+from llmopt.runtime import cuda_graphs
 from llmopt.runtime.config import EngineConfig, available_memory_bytes, resolve_kv_cache_dtype
 from llmopt.runtime.detokenizer import IncrementalDetokenizer
 from llmopt.runtime.kv_cache_manager import KVCacheManager
@@ -155,8 +156,10 @@ class LLMEngine(EngineFrontend):
             self.max_model_len, num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
             speculative_disable_by_batch_size=spec.disable_by_batch_size if spec else None,
             spec_stats=self.spec_stats)
+        graphs = cuda_graphs.graph_settings(config.enforce_eager, config.max_num_seqs,
+                                            config.max_seq_len_to_capture, loaded.device)
         self.runner = ModelRunner(loaded.model, num_blocks, config.block_size, loaded.dtype, loaded.device,
-                                  kv_dtype=self.kv_cache_dtype)
+                                  kv_dtype=self.kv_cache_dtype, graphs=graphs)
         self.kv_cache_bytes = num_blocks * block_bytes
         self.vocab_size = loaded.config.vocab_size
         self.requests: dict[str, Sequence] = {}

@@ -13,6 +13,9 @@ backend hands out (`KernelBackend.paged_attention`, `llmopt.model.paged_attentio
 Triton kernels read K/V through the block tables and take all prompt chunks of a step in one
 call; the C++ CPU decode kernel and the PyTorch reference attend prompt chunks one sequence
 at a time.
+Pure-decode steps replay a CUDA graph per batch-size bucket where the runner was given
+`GraphSettings` and its attention allows it (`cuda_graphs.py`); the pool then holds one scratch
+block past `num_blocks` for the graphs' padding rows.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import torch
 from llmopt.model.llama import LlamaForCausalLM
 from llmopt.model.paged_attention import StepMetadata
 from llmopt.runtime.cpu_decode_plan import build_decode_plan, run_decode_plan
+from llmopt.runtime.cuda_graphs import GraphRunner, GraphSettings
 from llmopt.runtime.prompt_scores import PromptScores, ScoredChunk, score_rows
 from llmopt.runtime.sequence import Sequence
 from llmopt.runtime.step_inputs import to_device
@@ -63,22 +67,29 @@ def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
 
 
 class ModelRunner:
-    """`dtype`: the model's; `kv_dtype`: the KV pool's (default: the model's)."""
+    """`dtype`: the model's; `kv_dtype`: the KV pool's (default: the model's); `graphs`: capture
+    decode steps into CUDA graphs (None: every step eager)."""
 
     def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int,
-                 dtype: torch.dtype, device: torch.device, kv_dtype: torch.dtype | None = None):
+                 dtype: torch.dtype, device: torch.device, kv_dtype: torch.dtype | None = None,
+                 graphs: GraphSettings | None = None):
         cfg = model.config
         self.model = model
         self.block_size = block_size
         self.device = device
         self.dtype = dtype
         kv_dtype = kv_dtype or dtype
-        shape = (cfg.num_hidden_layers, num_blocks * block_size, cfg.num_key_value_heads, cfg.head_dim)
+        pool_blocks = num_blocks + (graphs is not None)  # the graphs' scratch block: block id num_blocks
+        shape = (cfg.num_hidden_layers, pool_blocks * block_size, cfg.num_key_value_heads, cfg.head_dim)
         self.attn = model.backend.paged_attention(zeroed(shape, kv_dtype, device), zeroed(shape, kv_dtype, device),
                                                   query_dtype=dtype)
         self.table_dtype = self.attn.block_table_dtype  # of block tables and context lengths alike
         # decode steps on the CPU kernels: all layers in one C++ call (cpu_decode_plan.py)
         self.decode_plan = build_decode_plan(model, kv_dtype) if self.attn.cpu_decode is not None else None
+        self.graph_runner: GraphRunner | None = None
+        if graphs is not None and (not graphs.capture or (device.type == "cuda" and self.attn.supports_cuda_graphs)):
+            self.graph_runner = GraphRunner(model, self.attn, graphs, block_size, dtype, device,
+                                            scratch_block=num_blocks)
 
     def _slots(self, seq: Sequence, start: int, end: int) -> list[int]:
         bs, table = self.block_size, seq.block_table
@@ -122,6 +133,9 @@ class ModelRunner:
         spec_token_ids = spec_token_ids or {}
         decodes = [(s, n) for s, n in scheduled if n == 1]
         prefills = [(s, n) for s, n in scheduled if n > 1]
+        if (self.graph_runner is not None and decodes and not prefills
+                and self.graph_runner.can_run(len(decodes), max(s.num_computed_tokens + 1 for s, _ in decodes))):
+            return self._execute_graph(decodes, score_prompts)
         ids: list[int] = []
         positions: list[int] = []
         slot_mapping: list[int] = []
@@ -211,6 +225,34 @@ class ModelRunner:
         else:
             logits = torch.empty(0, self.model.config.vocab_size)
         return RunnerOutput(logits, samplers, [len(rows) for rows in sample_rows], prompt_scores, prompts_done)
+
+    def _execute_graph(self, decodes: list[tuple[Sequence, int]], score_prompts: bool) -> RunnerOutput:
+        """A pure-decode step through the graph runner's bucket (the same outputs as `execute`'s)."""
+        bs = self.block_size
+        positions = [s.num_computed_tokens for s, _ in decodes]
+        hidden = self.graph_runner.run(
+            ids=[s.token_ids[p] for (s, _), p in zip(decodes, positions)], positions=positions,
+            slots=[self._slots(s, p, p + 1)[0] for (s, _), p in zip(decodes, positions)],
+            lens=[p + 1 for p in positions],
+            tables=[s.block_table[: p // bs + 1] for (s, _), p in zip(decodes, positions)])
+        samplers = [s for (s, _), p in zip(decodes, positions) if p + 1 == s.num_tokens]
+        rows = [i for i, ((s, _), p) in enumerate(zip(decodes, positions)) if p + 1 == s.num_tokens]
+        prompts_done: list[Sequence] = []
+        prompt_scores: list[tuple[Sequence, ScoredChunk]] = []
+        if score_prompts:
+            prompts_done = [s for s in samplers if s.params.max_tokens == 0]
+            rows = [r for r, s in zip(rows, samplers) if s.params.max_tokens > 0]
+            samplers = [s for s in samplers if s.params.max_tokens > 0]
+            for i, (seq, n) in enumerate(decodes):
+                if seq.prompt_logprobs is not None and seq.num_computed_tokens < seq.num_prompt_tokens:
+                    prompt_scores.append((seq, self._score_prompt(hidden, seq, i, n)))
+        if len(rows) == len(decodes):  # every row samples (the usual decode step): no index to send
+            logits = self.model.compute_logits(hidden)
+        elif rows:
+            logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+        else:
+            logits = torch.empty(0, self.model.config.vocab_size)
+        return RunnerOutput(logits, samplers, [1] * len(samplers), prompt_scores, prompts_done)
 
     def _score_prompt(self, hidden: torch.Tensor, seq: Sequence, start: int, n: int) -> ScoredChunk:
         """The prompt positions this step's rows start..start+n-1 predict and `seq` has not scored yet,

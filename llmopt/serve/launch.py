@@ -147,6 +147,8 @@ def vllm_command(args: ServeArgs, api_key: str | None = None) -> list[str]:
         argv += ["--load-format", e.load_format]
     if e.kv_cache_dtype != "auto":  # same flag there; vLLM checks the value against what its version supports
         argv += ["--kv-cache-dtype", e.kv_cache_dtype]
+    if e.enforce_eager:  # vLLM's own flag (--max-seq-len-to-capture is not passed: newer vLLMs dropped it)
+        argv += ["--enforce-eager"]
     if args.served_model_name:
         argv += ["--served-model-name", args.served_model_name]
     if api_key:
