@@ -6,7 +6,9 @@ readers and writers:
   within the fp16 rounding of its scale-times-code product);
 - a checkpoint compressed by the package's own compressors from its own FP8_DYNAMIC
   quantization of the same model equals ours byte for byte, and loads in llmopt;
-- transformers' compressed-tensors integration loads our folders with logits close to llmopt's.
+- transformers' compressed-tensors integration loads our folders with logits close to llmopt's;
+- with llm-compressor itself (LLMOPT_LLMCOMPRESSOR_PYTHON): its `oneshot` FP8_DYNAMIC gives our
+  bytes, and its GPTQModifier W4A16 checkpoint loads in llmopt with transformers' greedy tokens.
 """
 
 from __future__ import annotations
