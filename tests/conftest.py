@@ -119,6 +119,22 @@ def write_tiny_model(folder: Path, kind: str, seed: int = 0, vocab_size: int | N
     return folder
 
 
+def write_tiny_int4_checkpoints(root: Path, specs: dict[str, tuple[Path, dict]]) -> dict[str, Path]:
+    """Quantize tiny models into `root`/NAME for each NAME: (model folder, QuantizeRequest options), on a
+    short calibration text (4 x 32 tokens, group 32 unless the options say otherwise)."""
+    from llmopt.quant.quantize import QuantizeRequest, quantize
+
+    calib = root / "calib.txt"
+    calib.write_text("Rivers run to the sea, and the sea does not fill; the wind goes round and round again. " * 20,
+                     encoding="utf-8")
+    outs = {}
+    for name, (model, options) in specs.items():
+        outs[name] = root / name
+        quantize(QuantizeRequest(model=str(model), output=outs[name], calib=str(calib), num_samples=4, seq_len=32,
+                                 seed=0, **{"group_size": 32, **options}))
+    return outs
+
+
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tiny")

@@ -15,6 +15,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from conftest import write_tiny_int4_checkpoints
 from llmopt.core.quant_packing import awq_unpack, gptq_unpack, unpack_columns
 from llmopt.core.quantized_weight import QuantizedWeight
 from llmopt.core.weights import CheckpointReader
@@ -25,9 +26,7 @@ from llmopt.model.attention import EqualLengthAttention
 from llmopt.model.backends import CpuBackend, TritonBackend
 from llmopt.model.int4_linear import CpuInt4Linear, TritonInt4Linear
 from llmopt.model.llama import checkpoint_names
-from llmopt.quant.quantize import QuantizeRequest, quantize
 
-TEXT = "Rivers run to the sea, and the sea does not fill; the wind goes round and round again. " * 20
 CHECKPOINTS = {  # name: (quantize options, format of the packed tensors)
     "awq": dict(method="rtn", format="awq"),
     "gptq-act": dict(method="gptq", format="gptq", desc_act=True, sym=True),
@@ -38,15 +37,8 @@ LAYERS = 3 * 4  # q/k/v, o, gate/up, down of the tiny models' 3 layers
 
 @pytest.fixture(scope="module")
 def checkpoints(tiny_models, tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("int4direct")
-    calib = root / "calib.txt"
-    calib.write_text(TEXT, encoding="utf-8")
-    outs = {}
-    for name, kw in CHECKPOINTS.items():
-        outs[name] = root / name
-        quantize(QuantizeRequest(model=str(tiny_models["llama"]), output=outs[name], calib=str(calib), num_samples=4,
-                                 seq_len=32, seed=0, group_size=32, **kw))
-    return outs
+    return write_tiny_int4_checkpoints(tmp_path_factory.mktemp("int4direct"),
+                                       {name: (tiny_models["llama"], kw) for name, kw in CHECKPOINTS.items()})
 
 
 @pytest.fixture(params=["cpu", "triton"])

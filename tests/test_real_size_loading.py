@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import TINY_CONFIGS, assert_usage_error, run_cli
+from conftest import TINY_CONFIGS, assert_usage_error, run_cli, write_tiny_int4_checkpoints
 from llmopt.core.config import ModelConfig
 from llmopt.core.dummy import INIT_STD, DummyWeights, checkpoint_shapes
 from llmopt.core.quant_formats import unpack_tensors
@@ -23,24 +23,14 @@ from llmopt.kernels.cpu_int4 import repack_int8
 from llmopt.loader import load
 from llmopt.model.int4_linear import CpuInt4Linear, Int4Linear, cpu_int4_linear
 from llmopt.model.llama import checkpoint_names
-from llmopt.quant.quantize import QuantizeRequest, quantize
-
-TEXT = "Rivers run to the sea, and the sea does not fill; the wind goes round and round again. " * 20
 
 
 @pytest.fixture(scope="module")
 def int4_checkpoints(tiny_models, tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("int4")
-    calib = root / "calib.txt"
-    calib.write_text(TEXT, encoding="utf-8")
-    outs = {}
-    for name, kw in {"awq-rtn": dict(method="rtn"), "gptq-act": dict(method="gptq", desc_act=True, sym=True),
-                     "gptq-g-1": dict(method="gptq", group_size=-1)}.items():
-        outs[name] = root / name
-        quantize(QuantizeRequest(model=str(tiny_models["qwen2"] if name == "awq-rtn" else tiny_models["llama"]),
-                                 output=outs[name], calib=str(calib), num_samples=4, seq_len=32, seed=0,
-                                 **{"group_size": 32, **kw}))
-    return outs
+    return write_tiny_int4_checkpoints(tmp_path_factory.mktemp("int4"), {
+        "awq-rtn": (tiny_models["qwen2"], dict(method="rtn")),
+        "gptq-act": (tiny_models["llama"], dict(method="gptq", desc_act=True, sym=True)),
+        "gptq-g-1": (tiny_models["llama"], dict(method="gptq", group_size=-1))})
 
 
 @pytest.mark.parametrize("name", ["awq-rtn", "gptq-act", "gptq-g-1"])
