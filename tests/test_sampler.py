@@ -40,6 +40,32 @@ def test_top_p_keeps_smallest_covering_set():
     assert torch.allclose(probs, torch.tensor([2 / 3, 1 / 3, 0, 0, 0]))
 
 
+def _top_p_by_full_sort(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    sorted_probs, order = torch.sort(probs, descending=True)
+    before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+    return torch.zeros_like(probs).scatter_(-1, order, sorted_probs.masked_fill(before >= top_p, 0.0))
+
+
+@pytest.mark.parametrize("spread", [0.5, 3.0, 12.0])  # flat (nucleus past the candidates) .. peaked
+def test_top_p_over_a_vocabulary_equals_the_full_sort(spread):
+    """The candidates-first nucleus gives the full sort's probabilities, bitwise, whether the
+    nucleus lies inside the first TOP_P_CANDIDATES tokens or not."""
+    from llmopt.runtime.sampler import TOP_P_CANDIDATES, _top_p
+
+    gen = torch.Generator().manual_seed(int(spread * 10))
+    sizes = []
+    for _ in range(20):
+        probs = torch.softmax(torch.randn(49152, generator=gen) * spread, dim=-1)
+        for top_p in (0.5, 0.9, 0.95):
+            expected = _top_p_by_full_sort(probs, top_p)
+            assert torch.equal(_top_p(probs, top_p), expected)
+            sizes.append(int((expected > 0).sum()))
+    if spread == 0.5:
+        assert max(sizes) > TOP_P_CANDIDATES  # the fallback ran
+    if spread == 12.0:
+        assert max(sizes) < TOP_P_CANDIDATES  # the candidates covered it
+
+
 def test_min_p():
     probs = filtered_probs(LOGITS, SamplingParams(min_p=0.3))  # drops tokens below 0.15
     assert torch.allclose(probs, torch.tensor([2 / 3, 1 / 3, 0, 0, 0]))

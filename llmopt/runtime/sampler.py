@@ -35,12 +35,30 @@ def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     if params.min_p > 0:
         probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
     if params.top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, descending=True)
-        # drop a token when the tokens before it already cover top_p (always keep the first)
-        before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
-        sorted_probs = sorted_probs.masked_fill(before >= params.top_p, 0.0)
-        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+        probs = _top_p(probs, params.top_p)
     return probs / probs.sum()
+
+
+TOP_P_CANDIDATES = 1024  # the largest tokens looked at before sorting the whole vocabulary
+
+
+def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Zero every token after the smallest prefix (by falling probability) that covers `top_p`;
+    the first token is always kept.
+
+    A full sort of a 49k vocabulary costs ~4 ms on a CPU core, per sampled row and step; the
+    nucleus at top_p <= 0.95 is usually a few hundred tokens, so the largest TOP_P_CANDIDATES
+    come first (a tenth of the sort's time) and the sort runs only when they cover less than
+    top_p. When they cover it, every token outside them has at least their mass before it and
+    is dropped, so the result is the sort's."""
+    sorted_probs, order = torch.topk(probs, min(TOP_P_CANDIDATES, probs.numel()))
+    covered = torch.cumsum(sorted_probs, dim=-1)
+    if order.numel() < probs.numel() and not float(covered[-1]) >= top_p:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        covered = torch.cumsum(sorted_probs, dim=-1)
+    # drop a token when the tokens before it already cover top_p (always keep the first)
+    sorted_probs = sorted_probs.masked_fill(covered - sorted_probs >= top_p, 0.0)
+    return torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
 
 
 def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
