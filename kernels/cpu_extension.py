@@ -13,6 +13,8 @@ One Python module:
   above (`llmopt/runtime/cpu_decode_plan.py` builds it from the model).
 - `rms_norm`, `add_rms_norm`, `rotary_embedding_`, `silu_and_mul`: the small per-layer ops
   fused (`cpu_fused.py`; the decoder in `llmopt/model/llama.py` uses them).
+- `fake_quant_error`: the error of group-wise integer rounding of a weight, scaled and clipped
+  as AWQ's searches try it, in one pass (`cpu_fake_quant.py`; llmopt/quant/awq.py uses it).
 - `cpu_isa`, `cpu_isa_supported`, `set_cpu_isa`: the SIMD path the kernels take, chosen at
   run time from what the build and the CPU have (`csrc/isa.h`), capped by `LLMOPT_CPU_ISA`.
 
@@ -39,7 +41,7 @@ log = logging.getLogger("llmopt.kernels")
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / name for name in ("bindings.cpp", "paged_decode.cpp", "skinny_linear.cpp", "fused_ops.cpp",
-                                     "int4_linear.cpp", "decode_plan.cpp", "fp8_linear.cpp")]
+                                     "int4_linear.cpp", "decode_plan.cpp", "fp8_linear.cpp", "fake_quant.cpp")]
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 
 

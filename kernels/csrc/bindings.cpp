@@ -22,6 +22,8 @@ bool fp8_linear_simd();
 std::string fp8_linear_path();
 torch::Tensor fp8_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, c10::optional<torch::Tensor> bias);
 void register_decode_plan(pybind11::module& m);
+torch::Tensor fake_quant_error(torch::Tensor w, torch::Tensor col_scale, torch::Tensor limit, int64_t width,
+                               int64_t max_code, bool sym);
 
 // The heavy kernels release the GIL: a server's event loop keeps running during a step.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -41,6 +43,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("out_features"), pybind11::arg("group_size"), pybind11::arg("perm") = pybind11::none(), pybind11::arg("bias") = pybind11::none());
   m.def("int8_linear", &int8_linear, release_gil(), "x @ dequant(W).T: 8-bit W per 32 columns, int8-quantized x",
         pybind11::arg("x"), pybind11::arg("codes"), pybind11::arg("scales"), pybind11::arg("out_features"));
+  m.def("fake_quant_error", &fake_quant_error, release_gil(),
+        "group-wise rounding error of clamp(w * col_scale, +-limit), divided by col_scale (AWQ's searches)");
   m.def("fp8_linear_simd", &fp8_linear_simd, "fp8_linear takes a SIMD path now (AVX2 + F16C or AVX-512; else a table)");
   m.def("fp8_linear_path", &fp8_linear_path, "the path fp8_linear takes now: scalar, avx2 or avx512");
   m.def("fp8_linear", &fp8_linear, release_gil(), "x @ (codes * scale).T (+ bias): e4m3 W widened in registers",

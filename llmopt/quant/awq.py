@@ -23,6 +23,8 @@ search is exact over all tokens through each group's Gram block X_g^T X_g (the e
 group's weights e is e X_g^T X_g e^T), which costs one small matmul per grid point instead
 of a pass over the tokens. Both walk the weight in blocks of output rows (a row's losses
 do not depend on other rows), so their temporaries stay a few tens of MB at any width.
+Each candidate's weight error (scale, clip, round to the grid, unscale, subtract) is one C++
+pass on the CPU (`weight_error`), not a dozen PyTorch ones.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from llmopt.kernels.cpu_fake_quant import fake_quant_error
 from llmopt.quant.quantizer import QuantScheme, fake_quantize
 
 
@@ -49,11 +52,30 @@ def row_blocks(out_features: int, in_features: int) -> list[slice]:
     return [slice(r, min(r + rows, out_features)) for r in range(0, out_features, rows)]
 
 
+def weight_error(w: torch.Tensor, scheme: QuantScheme, width: int, col_scale: torch.Tensor | None = None,
+                 limit: torch.Tensor | None = None) -> torch.Tensor:
+    """W_hat - W for rows `w` [rows, in] (float32) rounded to their grid after scaling the columns
+    by `col_scale` [in] and clipping each (row, group) to +-`limit` [rows, groups(, 1)]; W_hat is
+    divided by the scale again. One C++ pass on the CPU (`kernels/cpu_fake_quant.py`), else the
+    same operations in PyTorch, with the same result bit for bit."""
+    flat_limit = None if limit is None else limit.reshape(w.shape[0], -1)
+    error = fake_quant_error(w, width, scheme.max_code, scheme.sym, col_scale, flat_limit)
+    if error is not None:
+        return error
+    v = w if col_scale is None else w * col_scale
+    if flat_limit is not None:
+        grouped = v.reshape(w.shape[0], -1, width)
+        bound = flat_limit.unsqueeze(-1)
+        v = torch.clamp(grouped, -bound, bound).reshape(w.shape)
+    w_hat = fake_quantize(v, scheme)
+    return (w_hat if col_scale is None else w_hat.div_(col_scale)).sub_(w)
+
+
 def search_scale(x: torch.Tensor, weight: torch.Tensor, scheme: QuantScheme, n_grid: int = 20,
                  search_tokens: int = 1024, linear: Callable = F.linear) -> tuple[torch.Tensor, float]:
     """Per-input-channel scales s [in] for `weight` [out, in] fed by `x` [n, in]; and the ratio r chosen.
     `linear(a, b)` computes a @ b.T in float32 (see the module docstring)."""
-    w = weight.float()
+    w = weight.float().contiguous()
     out_features, n = w.shape
     x_mean = torch.linalg.vector_norm(x.float(), ord=1, dim=0) / x.shape[0]  # mean |x| without an |x| copy
     width = scheme.group_width(n)
@@ -69,8 +91,7 @@ def search_scale(x: torch.Tensor, weight: torch.Tensor, scheme: QuantScheme, n_g
         s = s / (s.max() * s.min()).sqrt()
         loss = 0.0
         for rows in blocks:
-            wb = w[rows]
-            error = fake_quantize(wb * s, scheme).div_(s).sub_(wb)  # W_hat - W, exact in float32
+            error = weight_error(w[rows], scheme, width, col_scale=s)
             loss += linear(xs, error).pow_(2).sum().item()
         if loss < best[0]:
             best = (loss, s, ratio)
@@ -97,7 +118,7 @@ def search_clip(x: torch.Tensor, weight: torch.Tensor, scheme: QuantScheme, rows
     `rows` (bool [out]) limits clipping to some output channels (AWQ leaves q/k alone:
     their errors are amplified through the attention softmax).
     """
-    w = weight.float()
+    w = weight.float().contiguous()
     out_features, n = w.shape
     width = scheme.group_width(n)
     gram = group_gram(x, width)  # [groups, width, width]
@@ -109,8 +130,7 @@ def search_clip(x: torch.Tensor, weight: torch.Tensor, scheme: QuantScheme, rows
         best_max = max_abs.clone()
         for step in range(int(max_shrink * n_grid)):
             limit = max_abs * (1 - step / n_grid)
-            clipped = torch.clamp(grouped, -limit, limit)
-            err = fake_quantize(clipped.reshape(-1, n), scheme).reshape_as(grouped).neg_().add_(grouped)
+            err = weight_error(w[block], scheme, width, limit=limit).reshape_as(grouped)
             e = err.transpose(0, 1)  # [groups, rows, width]
             loss = (torch.bmm(e, gram) * e).sum(dim=-1).t().unsqueeze(-1)  # [rows, groups, 1]
             better = loss < best_err
