@@ -73,7 +73,10 @@ def gptq_quantize(
     else:
         perm = torch.arange(n)
     del diag
-    with one_thread():  # small factorisations: see threads.py
+    # one thread: small factorisations gain nothing from a second (threads.py), and a threaded LAPACK
+    # factorisation rounds differently with the thread count, which would make the checkpoint's bytes
+    # depend on the machine's cores
+    with one_thread():
         hinv, stats = _inverse_hessian_factor(h, damp_percent)
     del h
 
@@ -86,9 +89,13 @@ def gptq_quantize(
     codes = torch.empty(out_features, n)
     if scheme.group_size == -1:
         scales[:, :1], zeros[:, :1] = grid_params(w, scheme)
-    with one_thread():
-        for start in range(0, n, block_size):
-            _quantize_block(w, hinv, start, min(start + block_size, n), scheme, width, codes, scales, zeros)
+    for start in range(0, n, block_size):
+        end = min(start + block_size, n)
+        with one_thread():  # the column loop: small ops (threads.py)
+            err_block = _quantize_block(w, hinv, start, end, scheme, width, codes, scales, zeros)
+        # the lazy update of every later column: the solve's one large product ([out, block] x [block, rest]),
+        # threaded and written into w in place (a temporary of w's size per block was most of GPTQ's page faults)
+        w[:, end:].addmm_(err_block, hinv[start:end, end:], alpha=-1)
 
     inv_perm = torch.argsort(perm)
     g_idx = (torch.arange(n) // width)[inv_perm].to(torch.int32)
@@ -97,8 +104,10 @@ def gptq_quantize(
     ), stats
 
 
-def _quantize_block(w, hinv, start: int, end: int, scheme: QuantScheme, width: int, codes, scales, zeros) -> None:
-    """Columns start..end one by one, then the lazy update of every column after the block."""
+def _quantize_block(w, hinv, start: int, end: int, scheme: QuantScheme, width: int, codes, scales,
+                    zeros) -> torch.Tensor:
+    """Columns start..end one by one; returns their scaled errors [out, end - start] for the caller's
+    update of the columns after the block."""
     w_block = w[:, start:end].clone()
     err_block = torch.zeros_like(w_block)
     hinv_block = hinv[start:end, start:end]
@@ -114,7 +123,7 @@ def _quantize_block(w, hinv, start: int, end: int, scheme: QuantScheme, width: i
         err = (column - (q - zero) * scale) / hinv_block[i, i]
         w_block[:, i:] -= err @ hinv_block[i:i + 1, i:]
         err_block[:, i:i + 1] = err
-    w[:, end:] -= err_block @ hinv[start:end, end:]
+    return err_block
 
 
 def _inverse_hessian_factor(h: torch.Tensor, damp_percent: float) -> tuple[torch.Tensor, GPTQStats]:
