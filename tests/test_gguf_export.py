@@ -173,6 +173,20 @@ def test_llama_cpp_matches_our_decoder(tiny_models, exported, kind):
     assert (got - expected).abs().max().item() < 2e-3 * expected.abs().max().item()  # measured: 5e-4
 
 
+@pytest.mark.parametrize("kind", ["llama-tied-rope-llama3", "llama-linear-rope"])
+def test_we_run_our_rope_scaled_files_like_the_checkpoint(tiny_models, exported, kind, tmp_path):
+    """A Llama-3.1-style file carries its RoPE scaling only as rope_freqs (a divisor per frequency):
+    read back, it gives the checkpoint's logits, and exported again, the same tensor."""
+    path = exported(kind, "F32")
+    expected = our_packed_logits(load(str(tiny_models[kind]), dtype="float32"), [PROMPT])[0]
+    got = our_packed_logits(load(str(path), dtype="float32"), [PROMPT])[0]
+    assert (got - expected).abs().max().item() < 1e-4 * expected.abs().max().item()
+    scaling = read_gguf(path).config.get("rope_scaling") or {}
+    assert scaling.get("rope_type") == ("freq_factors" if kind.endswith("llama3") else "linear")
+    if kind.endswith("llama3"):  # the factors are not all 1: the comparison above saw the scaling
+        assert max(scaling["freq_factors"]) > 2
+
+
 @pytest.mark.parametrize("gguf_type", PYTHON_TYPES)
 def test_llama_cpp_reads_our_python_quantized_blocks(exported, gguf_type):
     """llama.cpp's logits on each type match our decoder on the weights our reader dequantizes from the file."""

@@ -22,7 +22,7 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "Qwen2ForCausalLM": "qwen2",
 }
 SUPPORTED_MODEL_TYPES = set(SUPPORTED_ARCHITECTURES.values())
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "freq_factors")
 MAX_LAYERS = 4096
 
 _REQUIRED_KEYS = (
@@ -188,6 +188,11 @@ def _rope_of(raw: dict[str, Any], where: str) -> tuple[float, dict[str, Any] | N
         )
     if rope_type == "default":
         return theta, None
+    if rope_type == "freq_factors":  # a divisor per frequency, as a GGUF's rope_freqs tensor gives them
+        factors = merged.get("freq_factors")
+        if not isinstance(factors, list) or not all(isinstance(f, (int, float)) and f > 0 for f in factors):
+            raise LlmoptError(f"{where}: rope scaling 'freq_factors' needs a list of positive numbers")
+        return theta, {"rope_type": rope_type, "freq_factors": [float(f) for f in factors]}
     if "factor" not in merged:
         raise LlmoptError(f"{where}: rope scaling {rope_type!r} needs a 'factor'")
     numbers = _Checked(merged, f"{where}: rope scaling")

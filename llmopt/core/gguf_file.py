@@ -91,8 +91,6 @@ def read_gguf_config(path: Path, reader=None) -> tuple[dict[str, Any], str]:
             f"{path}: unsupported GGUF architecture {arch!r}; supported: {', '.join(SUPPORTED_GGUF_ARCHITECTURES)}"
         )
     names = {t.name for t in reader.tensors}
-    if "rope_freqs.weight" in names:
-        raise LlmoptError(f"{path}: GGUF files with a rope_freqs tensor (Llama-3.1 RoPE scaling) are not supported yet")
     type_counts: dict[str, int] = {}
     for t in reader.tensors:
         if len(t.shape) == 2:  # matrices: norms stay F32 in every GGUF type
@@ -249,6 +247,16 @@ def _hf_config(reader, arch: str, tensor_names: set[str], path: Path) -> dict[st
         if scaling_type != "linear":
             raise LlmoptError(f"{path}: GGUF rope scaling {scaling_type!r} is not supported (only linear)")
         config["rope_scaling"] = {"rope_type": "linear", "factor": float(key("rope.scaling.factor", 1.0))}
+    rope_freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if rope_freqs is not None:
+        # Llama-3.1-style RoPE scaling: llama.cpp stores no parameters, only each frequency's divisor
+        if config.get("rope_scaling"):
+            raise LlmoptError(f"{path}: a rope_freqs tensor together with rope scaling {scaling_type!r}")
+        factors = np.asarray(rope_freqs.data, dtype=np.float32).reshape(-1)
+        if rope_freqs.tensor_type.name != "F32" or factors.size != config["head_dim"] // 2:
+            raise LlmoptError(f"{path}: rope_freqs must be F32 with head_dim / 2 = {config['head_dim'] // 2} values, "
+                              f"got {rope_freqs.tensor_type.name} with {factors.size}")
+        config["rope_scaling"] = {"rope_type": "freq_factors", "freq_factors": [float(f) for f in factors]}
     for name in ("bos", "eos"):
         value = _field(reader, f"tokenizer.ggml.{name}_token_id")
         if value is not None:

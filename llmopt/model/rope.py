@@ -1,7 +1,8 @@
 """Rotary position embeddings (RoPE) in the Hugging Face "rotate half" layout.
 
 Supports the scaling variants Llama-family configs use: none ("default"), "linear"
-(position interpolation) and "llama3" (Llama-3.1's frequency-dependent scaling).
+(position interpolation) and "llama3" (Llama-3.1's frequency-dependent scaling), and
+"freq_factors": a divisor per frequency, the form a GGUF file's rope_freqs tensor gives llama3's.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     rope_type = config.rope_type
     if rope_type == "linear":
         return inv_freq / float(scaling["factor"])
+    if rope_type == "freq_factors":
+        return inv_freq / torch.tensor(scaling["freq_factors"], dtype=torch.float32)
     if rope_type == "llama3":
         factor = float(scaling["factor"])
         low_freq_factor = float(scaling.get("low_freq_factor", 1.0))

@@ -224,6 +224,8 @@ def _nbytes(shape: tuple[int, ...], qtype: GGMLQuantizationType) -> int:
 
 def _rope_freqs(cfg: ModelConfig) -> torch.Tensor | None:
     """llama.cpp applies Llama-3.1 RoPE scaling as per-frequency divisors in a tensor."""
+    if cfg.rope_type == "freq_factors":
+        return torch.tensor(cfg.rope_scaling["freq_factors"], dtype=torch.float32)
     if cfg.rope_type != "llama3":
         return None
     unscaled = rope_inv_freq(dataclasses.replace(cfg, rope_scaling=None))
