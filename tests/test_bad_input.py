@@ -260,6 +260,8 @@ def test_unwritable_output_is_refused_before_any_work(tiny_models, monkeypatch, 
     ({"num_key_value_heads": 3}, "num_attention_heads=4 is not a multiple of num_key_value_heads=3"),
     ({"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4, "factor": "2"}},
      "factor must be a positive number"),
+    ({"rope_parameters": {"rope_type": "freq_factors", "rope_theta": 1e4, "freq_factors": [1.0, 2.0]}},
+     "'freq_factors' needs head_dim / 2"),
 ])
 def test_bad_config_values_are_one_line_exit_2(tiny_models, tmp_path, change, fragment):
     folder = copy_model(tiny_models["llama"], tmp_path / "m")

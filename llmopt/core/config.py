@@ -109,7 +109,7 @@ class ModelConfig:
         if act not in ("silu", "swish"):
             raise LlmoptError(f"{where}: hidden_act {act!r} is not supported (only silu)")
 
-        rope_theta, rope_scaling = _rope_of(raw, where)
+        rope_theta, rope_scaling = _rope_of(raw, where, head_dim)
         eos = raw.get("eos_token_id")
         eos_ids = [get.token_id("eos_token_id", e) for e in (eos if isinstance(eos, list) else [eos]) if e is not None]
         bias = get.flag("attention_bias")
@@ -169,7 +169,7 @@ def _architecture_of(raw: dict[str, Any], where: str) -> str:
     raise LlmoptError(f"{where}: unsupported architecture {named}; supported: {supported}")
 
 
-def _rope_of(raw: dict[str, Any], where: str) -> tuple[float, dict[str, Any] | None]:
+def _rope_of(raw: dict[str, Any], where: str, head_dim: int) -> tuple[float, dict[str, Any] | None]:
     # transformers >= 5 writes rope_parameters = {rope_type, rope_theta, ...};
     # older configs write rope_theta and rope_scaling = {type|rope_type, factor, ...}.
     for key in ("rope_parameters", "rope_scaling"):
@@ -190,8 +190,10 @@ def _rope_of(raw: dict[str, Any], where: str) -> tuple[float, dict[str, Any] | N
         return theta, None
     if rope_type == "freq_factors":  # a divisor per frequency, as a GGUF's rope_freqs tensor gives them
         factors = merged.get("freq_factors")
-        if not isinstance(factors, list) or not all(isinstance(f, (int, float)) and f > 0 for f in factors):
-            raise LlmoptError(f"{where}: rope scaling 'freq_factors' needs a list of positive numbers")
+        if (not isinstance(factors, list) or len(factors) != head_dim // 2
+                or not all(isinstance(f, (int, float)) and not isinstance(f, bool) and f > 0 for f in factors)):
+            raise LlmoptError(f"{where}: rope scaling 'freq_factors' needs head_dim / 2 = {head_dim // 2} "
+                              "positive numbers")
         return theta, {"rope_type": rope_type, "freq_factors": [float(f) for f in factors]}
     if "factor" not in merged:
         raise LlmoptError(f"{where}: rope scaling {rope_type!r} needs a 'factor'")

@@ -252,10 +252,9 @@ def _hf_config(reader, arch: str, tensor_names: set[str], path: Path) -> dict[st
         # Llama-3.1-style RoPE scaling: llama.cpp stores no parameters, only each frequency's divisor
         if config.get("rope_scaling"):
             raise LlmoptError(f"{path}: a rope_freqs tensor together with rope scaling {scaling_type!r}")
-        factors = np.asarray(rope_freqs.data, dtype=np.float32).reshape(-1)
-        if rope_freqs.tensor_type.name != "F32" or factors.size != config["head_dim"] // 2:
-            raise LlmoptError(f"{path}: rope_freqs must be F32 with head_dim / 2 = {config['head_dim'] // 2} values, "
-                              f"got {rope_freqs.tensor_type.name} with {factors.size}")
+        if rope_freqs.tensor_type.name != "F32":
+            raise LlmoptError(f"{path}: rope_freqs must be F32, got {rope_freqs.tensor_type.name}")
+        factors = np.asarray(rope_freqs.data, dtype=np.float32).reshape(-1)  # their count: checked with the config
         config["rope_scaling"] = {"rope_type": "freq_factors", "freq_factors": [float(f) for f in factors]}
     for name in ("bos", "eos"):
         value = _field(reader, f"tokenizer.ggml.{name}_token_id")
