@@ -48,8 +48,9 @@ def _top_p_by_full_sort(probs: torch.Tensor, top_p: float) -> torch.Tensor:
 
 @pytest.mark.parametrize("spread", [0.5, 3.0, 12.0])  # flat (nucleus past the candidates) .. peaked
 def test_top_p_over_a_vocabulary_equals_the_full_sort(spread):
-    """The candidates-first nucleus gives the full sort's probabilities, bitwise, whether the
-    nucleus lies inside the first TOP_P_CANDIDATES tokens or not."""
+    """The candidates-first nucleus keeps the full sort's probabilities, bitwise (up to which of two
+    equal boundary tokens is kept), whether the nucleus lies inside the first TOP_P_CANDIDATES tokens
+    or not."""
     from llmopt.runtime.sampler import TOP_P_CANDIDATES, _top_p
 
     gen = torch.Generator().manual_seed(int(spread * 10))
@@ -58,7 +59,12 @@ def test_top_p_over_a_vocabulary_equals_the_full_sort(spread):
         probs = torch.softmax(torch.randn(49152, generator=gen) * spread, dim=-1)
         for top_p in (0.5, 0.9, 0.95):
             expected = _top_p_by_full_sort(probs, top_p)
-            assert torch.equal(_top_p(probs, top_p), expected)
+            got = _top_p(probs, top_p)
+            # equal probabilities (float32 softmax has some) may sit in either order in topk and sort:
+            # the same values are kept, and any token kept by one only ties with the last one kept
+            assert torch.equal(got.sort().values, expected.sort().values)
+            moved = got != expected
+            assert torch.all(probs[moved] == expected[expected > 0].min())
             sizes.append(int((expected > 0).sum()))
     if spread == 0.5:
         assert max(sizes) > TOP_P_CANDIDATES  # the fallback ran
