@@ -113,11 +113,13 @@ static inline __m256 load8(const c10::Half* p) {
 }
 #endif
 
-// one prefetch per 64-byte cache line of the row's n elements
+// one prefetch per 64-byte cache line of the row's n elements, into L2 (T1): each row is read once,
+// a few positions later, and the reads are bound by how many lines are in flight, not by L1 hits
+// (on a Zen 4 the T1 hint read the pool ~15% faster than T0)
 template <typename T>
 static inline void prefetch_row(const T* row, int64_t n) {
   constexpr int64_t step = 64 / sizeof(T);
-  for (int64_t d = 0; d < n; d += step) _mm_prefetch(reinterpret_cast<const char*>(row + d), _MM_HINT_T0);
+  for (int64_t d = 0; d < n; d += step) _mm_prefetch(reinterpret_cast<const char*>(row + d), _MM_HINT_T1);
 }
 
 // the 8 lane-sums of a[0..7], as one vector
@@ -168,28 +170,42 @@ static void scores_avx2(const Item& it, const T* k, float* scores, float* maxes)
     }
 }
 
-// D % 8 == 0: per head, up to 64 output floats in 8 accumulators across all rows
+// out[0 .. 8 * C) of one head = sum_i p[i] * v_i[d0 ..] / sum: C accumulators across all rows. C is
+// a compile-time count so the accumulators stay in registers (with a run-time count the compiler
+// kept them on the stack, a store and a reload per FMA).
+template <int C, typename T>
+static inline void values_block(const Item& it, const T* v, const float* p, float inv_sum, int64_t d0, float* out) {
+  __m256 acc[C];
+  for (int j = 0; j < C; ++j) acc[j] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < it.n; ++i) {
+    if (i + 4 < it.n) prefetch_row(v + it.rows[i + 4] + d0, 8 * C);
+    const __m256 w = _mm256_set1_ps(p[i]);
+    const T* vr = v + it.rows[i] + d0;
+    for (int j = 0; j < C; ++j) acc[j] = _mm256_fmadd_ps(w, load8(vr + 8 * j), acc[j]);
+  }
+  const __m256 inv = _mm256_set1_ps(inv_sum);
+  for (int j = 0; j < C; ++j) _mm256_storeu_ps(out + d0 + 8 * j, _mm256_mul_ps(acc[j], inv));
+}
+
+// D % 8 == 0: per head, 64 output floats at a time (then the 8-float remainder blocks)
 template <typename T>
 static void values_avx2(const Item& it, const T* v, const float* p, const float* sums, float* out) {
   const int64_t n = it.n, D = it.D;
   for (int64_t g = 0; g < it.G; ++g) {
     const float* pg = p + g * n;
-    const __m256 inv = _mm256_set1_ps(1.f / sums[g]);
-    for (int64_t d0 = 0; d0 < D; d0 += 64) {
-      const int chunks = static_cast<int>(std::min<int64_t>(8, (D - d0) / 8));
-      __m256 acc[8];
-      for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
-      for (int64_t i = 0; i < n; ++i) {
-        if (i + 4 < n) prefetch_row(v + it.rows[i + 4] + d0, std::min<int64_t>(64, D - d0));
-        const __m256 w = _mm256_set1_ps(pg[i]);
-        const T* vr = v + it.rows[i] + d0;
-        if (chunks == 8) {
-          for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(w, load8(vr + 8 * j), acc[j]);
-        } else {
-          for (int j = 0; j < chunks; ++j) acc[j] = _mm256_fmadd_ps(w, load8(vr + 8 * j), acc[j]);
-        }
-      }
-      for (int j = 0; j < chunks; ++j) _mm256_storeu_ps(out + g * D + d0 + 8 * j, _mm256_mul_ps(acc[j], inv));
+    float* og = out + g * D;
+    const float inv = 1.f / sums[g];
+    int64_t d0 = 0;
+    for (; d0 + 64 <= D; d0 += 64) values_block<8>(it, v, pg, inv, d0, og);
+    switch ((D - d0) / 8) {
+      case 7: values_block<7>(it, v, pg, inv, d0, og); break;
+      case 6: values_block<6>(it, v, pg, inv, d0, og); break;
+      case 5: values_block<5>(it, v, pg, inv, d0, og); break;
+      case 4: values_block<4>(it, v, pg, inv, d0, og); break;
+      case 3: values_block<3>(it, v, pg, inv, d0, og); break;
+      case 2: values_block<2>(it, v, pg, inv, d0, og); break;
+      case 1: values_block<1>(it, v, pg, inv, d0, og); break;
+      default: break;
     }
   }
 }
