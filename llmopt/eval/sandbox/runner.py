@@ -62,6 +62,7 @@ DEFAULT_MEMORY_MB = 1024
 MIN_MEMORY_MB = 128  # the interpreter itself needs ~30 MB of address space
 FILE_SIZE_LIMIT = 16 * 1024**2  # per file written: enough for tests, not for filling a disk
 VERDICT_BYTES = 64 * 1024  # the most of the checker's stdout read
+CANDIDATE_EXIT_GRACE_S = 0.5  # how long a finished check waits for the candidate to exit by itself
 
 
 @dataclass(frozen=True)
@@ -174,6 +175,11 @@ def _run(job: Job, timeout_s: float, memory_mb: int, mode: Mode) -> ExecResult:
             out = _read_until(checker.stdout, deadline)
             exited = wait_for_exit(checker, max(0.0, deadline - time.monotonic()))
             wall_s = time.monotonic() - start
+            if exited:
+                # A candidate that crashed closed its pipe, so the checker can finish before bwrap has
+                # passed the crash on as its own exit status: killing it now would record SIGKILL instead.
+                # Wait for it (unreaped, so `_end`'s kill cannot reach a reused pid) a moment first.
+                wait_for_exit(candidate, CANDIDATE_EXIT_GRACE_S)
             _end(procs, token)
             checker_err.seek(0)
             errors = checker_err.read()[-4 * DETAIL_CHARS:].decode("utf-8", "replace")
