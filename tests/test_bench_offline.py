@@ -189,6 +189,9 @@ def test_latency_figures(tiny):
         bandwidth = document["config"]["read_bandwidth_gb_s"] * 1e9
         assert run["ideal_tg_tok_s"] == pytest.approx(run["batch_size"] * bandwidth / run["decode_step_bytes"])
     assert runs[1]["decode_step_bytes"] > runs[0]["decode_step_bytes"]  # one more sequence's K/V
+    from llmopt.kernels.cpu_extension import cpu_isa
+
+    assert all(run.get("cpu_kernels") == cpu_isa() for run in runs)  # None where the kernels are not built
 
 
 def test_cli_throughput_writes_report(tiny, tmp_path):

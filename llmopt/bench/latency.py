@@ -159,11 +159,15 @@ class _Measurer:
     tokenizer: Any
     iteration: Callable[[list[list[int]]], Iteration]
     step_bytes: Callable[[int, int], int] | None = None  # (batch size, context) -> bytes per decode step
+    # the SIMD path of llmopt's CPU kernels (avx2, avx512, amx; LLMOPT_CPU_ISA caps it): figures of one
+    # path are not another's, so a run says which it took
+    cpu_kernels: str | None = None
 
 
 def _llmopt_measurer(config: LatencyConfig) -> _Measurer:
     from llmopt.bench.engines import describe_weights
     from llmopt.bench.roofline import decode_step_bytes
+    from llmopt.kernels.cpu_extension import cpu_isa
     from llmopt.loader import load
     from llmopt.runtime import SamplingParams
     from llmopt.runtime.config import EngineConfig
@@ -194,7 +198,8 @@ def _llmopt_measurer(config: LatencyConfig) -> _Measurer:
     def step_bytes(batch: int, context: int) -> int:
         return decode_step_bytes(loaded.model, batch, context, engine.kv_cache_dtype)
 
-    return _Measurer(f"llmopt ({describe_weights(loaded)})", loaded.tokenizer, iteration, step_bytes)
+    kernels = cpu_isa() if loaded.device.type == "cpu" else None
+    return _Measurer(f"llmopt ({describe_weights(loaded)})", loaded.tokenizer, iteration, step_bytes, kernels)
 
 
 def _llama_cpp_measurer(config: LatencyConfig) -> _Measurer:
@@ -242,6 +247,8 @@ def _figures(engine: str, measure: _Measurer, batch: int, config: LatencyConfig,
         "pp_tok_s": batch * config.input_len / prefill, "tg_tok_s": batch / step,
         "iterations": [asdict(i) for i in iterations],
     }
+    if measure.cpu_kernels is not None:
+        run["cpu_kernels"] = measure.cpu_kernels
     if measure.step_bytes is not None:
         # the mean context over the decode steps
         _add_roofline(run, measure.step_bytes(batch, config.input_len + config.output_len // 2), bandwidth)
