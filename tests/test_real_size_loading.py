@@ -160,6 +160,29 @@ def test_generate_with_dummy_weights_and_without(tiny_models, tmp_path):
     assert_usage_error(["generate", str(config_only), "--prompt", "x"], "no .safetensors weights")
 
 
+def test_generate_without_a_prompt_samples_from_bos(tiny_models, tmp_path):
+    """`llmopt generate MODEL` with no prompt: one sample from the BOS token alone (transformers'
+    generate() without inputs), the way a dummy-weight model is tried out; a model whose tokenizer has
+    no BOS token (the tiny models') still needs a prompt."""
+    folder = tmp_path / "with-bos"
+    shutil.copytree(tiny_models["llama"], folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["bos_token"] = "<|endoftext|>"
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    code, err, out = run_cli("generate", str(folder), "--max-tokens", "4", "--temperature", "0", "--ignore-eos",
+                             "--json")
+    assert code == 0, err
+    (record,) = json.loads(out)["requests"]
+    from llmopt.core.tokenizer import Tokenizer
+
+    bos = Tokenizer.from_dir(folder).token_to_id("<|endoftext|>")
+    assert bos is not None and record["prompt_token_ids"] == [bos] and record["num_generated_tokens"] == 4
+    assert_usage_error(["generate", str(tiny_models["llama"]), "--max-tokens", "4"], "no BOS token")
+    empty = tmp_path / "prompts.txt"
+    empty.write_text("\n")
+    assert_usage_error(["generate", str(folder), "--prompts-file", str(empty)], "holds no prompt")
+
+
 def test_shipped_architecture_is_a_model_spec_for_dummy_weights():
     code, err, out = run_cli("models", "info", "llama-3-8b", "--json")
     assert code == 0, err

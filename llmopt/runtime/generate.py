@@ -31,7 +31,8 @@ class GenerateArgs:
     """The options of `llmopt generate`."""
 
     model: str = option("default", "'default', a model folder, a .gguf file or a hub id", argument=True)
-    prompt: list[str] = option(help="A prompt (a user message for chat models); repeatable.",
+    prompt: list[str] = option(help="A prompt (a user message for chat models); repeatable. Without any "
+                               "prompt: one sample from the BOS token alone (as transformers' generate()).",
                                names=("--prompt", "-p"), default_factory=list)
     prompts_file: Optional[Path] = option(None, ".txt (a prompt per line) or .jsonl ({\"prompt\"} or "
                                           "{\"messages\"}).", "--prompts-file", "-f")
@@ -61,9 +62,10 @@ class GenerateArgs:
                               repetition_penalty=self.repetition_penalty, ignore_eos=self.ignore_eos)
 
     def prompts(self) -> list[Any]:
+        """The prompts given (none: `run_generate` starts one sample from the BOS token)."""
         prompts: list[Any] = list(self.prompt) + (read_prompts_file(self.prompts_file) if self.prompts_file else [])
-        if not prompts:
-            raise LlmoptError("give a prompt with --prompt or a file with --prompts-file")
+        if self.prompts_file and not prompts:
+            raise LlmoptError(f"{self.prompts_file} holds no prompt")
         if len(prompts) == 1 and isinstance(prompts[0], str) and not prompts[0].strip():
             raise LlmoptError("--prompt is empty")
         return prompts
@@ -93,13 +95,15 @@ def run_generate(args: GenerateArgs) -> GenerateResult:
         from llmopt.loader import load
         from llmopt.runtime.llm import LLM
 
-        llm = LLM(load(args.model, dtype=args.engine.dtype, device=args.engine.device,
-                       load_format=args.engine.load_format, quantization=args.engine.quantization),
-                  engine_config=config)
+        loaded = load(args.model, dtype=args.engine.dtype, device=args.engine.device,
+                      load_format=args.engine.load_format, quantization=args.engine.quantization)
+        prompts = prompts or [_bos_prompt(loaded.tokenizer)]  # before the KV cache is allocated
+        llm = LLM(loaded, engine_config=config)
         engine = llm.engine
     use_chat = engine.tokenizer.is_chat if args.chat is None else args.chat
     if args.system and not use_chat:
         raise LlmoptError("--system needs the chat template; drop --no-chat")
+    prompts = prompts or [_bos_prompt(engine.tokenizer)]
     requests = [_as_request(p, use_chat, args.system) for p in prompts]
     start = time.perf_counter()
     outputs = llm.generate(requests, params) if args.engine_name == "llmopt" else generate_all(engine, requests, params)
@@ -159,6 +163,15 @@ def read_prompts_file(path: Path) -> list[Any]:
     return prompts
 
 
+def _bos_prompt(tokenizer: Any) -> dict[str, Any]:
+    """The prompt of an unconditional sample (no prompt given): the BOS token alone, no template."""
+    bos = tokenizer.token_to_id(tokenizer.bos_token)
+    if bos is None:
+        raise LlmoptError("give a prompt with --prompt or a file with --prompts-file "
+                          "(this model's tokenizer has no BOS token to start a sample from)")
+    return {"prompt_token_ids": [bos]}
+
+
 def _as_request(prompt: Any, use_chat: bool, system: str | None) -> Any:
     if isinstance(prompt, dict) or not use_chat:  # chat messages from a .jsonl file, or plain text
         return prompt
@@ -171,7 +184,7 @@ def _as_request(prompt: Any, use_chat: bool, system: str | None) -> Any:
 def _record(index: int, prompt: Any, out: RequestOutput) -> dict[str, Any]:
     return {
         "index": index,
-        "prompt": prompt if isinstance(prompt, str) else prompt.get("messages"),
+        "prompt": prompt if isinstance(prompt, str) else prompt.get("messages", prompt.get("prompt")),
         "text": out.outputs[0].text,
         "finish_reason": out.outputs[0].finish_reason,
         "error": out.error,
