@@ -143,13 +143,17 @@ class KVCacheMachine(RuleBasedStateMachine):
             self.content[b] = [None] * self.bs  # nothing usable in them until computed
 
     def release(self, seq: Sequence) -> None:
-        """kv.free, with the model's free queue: tail blocks first, each once its last user is gone."""
+        """kv.free, with the model's free queue: tail blocks first, each once its last user is gone; a
+        block that caches nothing goes to the front (reused first), a cached one to the back (LRU)."""
         table = list(seq.block_table)
         self.kv.free(seq)
         assert seq.block_table == [] and seq.num_cached_blocks == 0
         for b in reversed(table):
             if self.kv.blocks[b].ref_cnt == 0:
-                self.free_order.append(b)
+                if self.kv.blocks[b].block_hash is None:
+                    self.free_order.insert(0, b)
+                else:
+                    self.free_order.append(b)
 
     def allocate(self, entry: Entry, num_new: int, hits: list[int] | None = None) -> bool:
         kv, seq = self.kv, entry.seq
@@ -539,21 +543,21 @@ def test_lru_eviction_order():
     assert a.block_table == [0, 1, 2, 3] and b.block_table == [4, 5, 6]
     kv.free(a)  # freed first, tail blocks before head blocks
     kv.free(b)
-    assert list(kv.free_queue) == [3, 2, 1, 0, 6, 5, 4]
+    # the partial blocks cache nothing: they go to the front, to be reused before any cached block
+    assert list(kv.free_queue) == [6, 3, 2, 1, 0, 5, 4]
     assert set(kv.cached_blocks.values()) == {0, 1, 2, 4, 5}
-    # allocating fresh blocks evicts a's tail first, then its head, then b's
+    # allocating fresh blocks takes those first: no cached block is evicted
     c = make_seq("c", [8, 8, 8])
     assert prefill(kv, c) == []
-    assert c.block_table == [3, 2]
-    # block 2's hash (a's third block) is gone; block 3 now caches c's own first block
-    assert set(kv.cached_blocks.values()) == {0, 1, 3, 4, 5}
-    # a's first two blocks are still a prefix hit; reviving them takes them out of the queue
+    assert c.block_table == [6, 3]
+    assert set(kv.cached_blocks.values()) == {0, 1, 2, 4, 5, 6}  # block 6 now caches c's first block
+    # all of a's full blocks are still a prefix hit; reviving them takes them out of the queue
     a2 = make_seq("a2", [1, 1, 2, 2, 3, 3, 9])
     hits = kv.get_computed_blocks(a2)
-    assert hits == [0, 1]
-    assert kv.allocate_slots(a2, 3, hits)
-    assert a2.block_table == [0, 1, 6, 5]  # the least recently freed blocks left are b's tail
-    assert set(kv.cached_blocks.values()) == {0, 1, 3, 4}
+    assert hits == [0, 1, 2]
+    assert kv.allocate_slots(a2, 1, hits)
+    assert a2.block_table == [0, 1, 2, 5]  # then the least recently freed cached block: b's tail
+    assert set(kv.cached_blocks.values()) == {0, 1, 2, 4, 6}
     assert list(kv.free_queue) == [4]
     b2 = make_seq("b2", [4, 4, 0])
     assert kv.get_computed_blocks(b2) == [4]  # b's head block survived

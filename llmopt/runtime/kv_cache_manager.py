@@ -52,7 +52,8 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
-        # free blocks, least recently freed first; popping from the front evicts LRU
+        # free blocks: those that cache nothing first (freed ones at the front, their memory warm), then
+        # cached blocks least recently freed first; popping from the front evicts LRU
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached_blocks: dict[bytes, int] = {}
         # prefix-cache statistics, in tokens (as vLLM counts them)
@@ -209,6 +210,10 @@ class KVCacheManager:
             assert block.ref_cnt >= 0, f"block {block_id} freed twice"
             if block.ref_cnt == 0:
                 self.free_queue[block_id] = None
+                if block.block_hash is None:
+                    # nothing cached to keep: reused first, before blocks whose memory was never written
+                    # (each new page of a CPU pool is a page fault and a zero-fill on first touch)
+                    self.free_queue.move_to_end(block_id, last=False)
         seq.block_table = []
         seq.num_cached_blocks = 0
         seq.score_buffer = None

@@ -20,6 +20,8 @@ block past `num_blocks` for the graphs' padding rows.
 
 from __future__ import annotations
 
+import mmap
+
 from dataclasses import dataclass, field
 
 import torch
@@ -54,15 +56,26 @@ def kv_bytes_per_block(model: LlamaForCausalLM, block_size: int, dtype: torch.dt
     return 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * cfg.head_dim * elem
 
 
+HUGE_PAGE = 2 << 20  # x86-64 Linux's transparent huge page
+
+
 def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A zero-filled tensor. Attention reads (masked) slots nobody wrote yet: they must hold
-    finite numbers, as 0 * NaN = NaN. On CPU the zeros come from calloc'd memory, which the
-    OS zero-fills lazily, so a large pool costs nothing until its pages are used."""
+    finite numbers, as 0 * NaN = NaN. On CPU the zeros are anonymous memory the OS zero-fills
+    lazily, so a large pool costs nothing until its pages are used, and a pool of at least a huge
+    page is advised into transparent huge pages (Linux, where THP is "madvise" or "always"): decode
+    attention reads rows scattered over the whole pool, and with 4 KiB pages nearly every block read
+    missed the TLB (docs/benchmarks.md, "KV pool in huge pages"); first writes also fault 512 times
+    less often."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     import numpy as np
 
     nbytes = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
+    if nbytes >= HUGE_PAGE and hasattr(mmap, "MADV_HUGEPAGE"):
+        region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        region.madvise(mmap.MADV_HUGEPAGE)  # advice only: the kernel may still use 4 KiB pages
+        return torch.frombuffer(region, dtype=torch.uint8).view(dtype).view(shape)  # the tensor keeps region alive
     return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
 
 
