@@ -4,8 +4,13 @@ through each pool, every layer called in turn. Prints ms per step and the pools'
 
     python scripts/bench_paged_decode.py                         # llmopt's build, the default model's shape
     python scripts/bench_paged_decode.py --so OLD/llmopt_cpu_ops.so --so NEW/llmopt_cpu_ops.so
+    python scripts/bench_paged_decode.py --pool-blocks 3000 --pages 4k,huge --evict-mb 128 --rounds 12
 
-`--so` loads other builds of the kernels (an older commit's, from its cache folder
+`--pool-blocks N` puts each step's blocks at random places in pools of the runtime's shape
+(`[layers, N * block size, kv heads, head dim]`, one for K and one for V) instead, in 4 KiB pages
+(`np.zeros`) and/or the runtime's huge-page pool (`model_runner.zeroed`) — `--pages` — timed in
+alternating order; `--evict-mb` reads that much other memory before each step, as a model's weights
+would evict the pools. `--so` loads other builds of the kernels (an older commit's, from its cache folder
 `$LLMOPT_CACHE/torch_extensions/<digest>/`) to compare side by side in one process, in turn,
 `--rounds` times. `llmopt bench kernels --kernels paged_decode` times one layer with flushed caches
 against the PyTorch path; this script times the pattern a model's step makes.
@@ -18,6 +23,7 @@ import importlib.util
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 
@@ -39,6 +45,10 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--pool-blocks", type=int, default=0, help="blocks per pool of the runtime's shape (0: a "
+                        "small pool per layer)")
+    parser.add_argument("--pages", default="huge", help="with --pool-blocks: 4k and/or huge (comma-separated)")
+    parser.add_argument("--evict-mb", type=int, default=0, help="MB of other memory read before each step")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     heads, kv_heads, head_dim = (int(v) for v in args.heads.split(","))
@@ -52,31 +62,60 @@ def main() -> None:
             parser.error("llmopt's CPU kernels could not be built here")
         builds = [("llmopt", ops)]
     torch.manual_seed(0)
+    evict = torch.randn(args.evict_mb << 18) if args.evict_mb else None
+    shape = (args.layers, args.pool_blocks * args.block_size, kv_heads, head_dim)
+    big_pools = {pages: (_pool(shape, pages), _pool(shape, pages)) for pages in args.pages.split(",")} \
+        if args.pool_blocks else {}
     for batch in (int(v) for v in args.batch.split(",")):
         blocks_per_seq = -(-args.context // args.block_size)
-        num_blocks = blocks_per_seq * batch
-        pools = [(torch.randn(num_blocks * args.block_size, kv_heads, head_dim),
-                  torch.randn(num_blocks * args.block_size, kv_heads, head_dim)) for _ in range(args.layers)]
+        if big_pools:
+            if blocks_per_seq * batch > args.pool_blocks:
+                parser.error(f"--pool-blocks {args.pool_blocks} cannot hold {batch} x {args.context} tokens")
+            tables = torch.randperm(args.pool_blocks)[: blocks_per_seq * batch].view(batch, blocks_per_seq)
+            layouts = {pages: [(k[layer], v[layer]) for layer in range(args.layers)]
+                       for pages, (k, v) in big_pools.items()}
+        else:
+            num_blocks = blocks_per_seq * batch
+            tables = torch.randperm(num_blocks).view(batch, blocks_per_seq)
+            layouts = {"": [(torch.randn(num_blocks * args.block_size, kv_heads, head_dim),
+                             torch.randn(num_blocks * args.block_size, kv_heads, head_dim))
+                            for _ in range(args.layers)]}
         q = torch.randn(batch, heads, head_dim)
-        tables = torch.randperm(num_blocks).view(batch, blocks_per_seq)
         lens = torch.full((batch,), args.context)
         step_bytes = batch * args.context * kv_heads * head_dim * 4 * 2 * args.layers
         iters = max(4, 40 // batch)
-        for _ in range(args.rounds):
-            for name, ops in builds:
+        cases = [(name, ops, pages, pools) for name, ops in builds for pages, pools in layouts.items()]
+        for round_ in range(args.rounds):
+            for name, ops, pages, pools in cases if round_ % 2 == 0 else cases[::-1]:
                 def step() -> None:
                     for k_cache, v_cache in pools:
                         ops.paged_decode(q, k_cache, v_cache, tables, lens, args.block_size, head_dim ** -0.5, 0)
 
                 for _ in range(3):
                     step()
-                start = time.perf_counter()
+                seconds = 0.0
                 for _ in range(iters):
+                    if evict is not None:
+                        evict.sum()
+                    start = time.perf_counter()
                     step()
-                seconds = (time.perf_counter() - start) / iters
-                print(f"{name}: batch {batch} x {args.context} tokens, {args.layers} layers: "
-                      f"{seconds * 1e3:.2f} ms per step, {step_bytes / seconds / 1e9:.1f} GB/s")
+                    seconds += time.perf_counter() - start
+                seconds /= iters
+                print(f"{name}{f' ({pages} pages)' if pages else ''}: batch {batch} x {args.context} tokens, "
+                      f"{args.layers} layers: {seconds * 1e3:.2f} ms per step, {step_bytes / seconds / 1e9:.1f} GB/s")
 
+
+def _pool(shape: tuple[int, ...], pages: str) -> torch.Tensor:
+    """A K or V pool of `shape` in 4 KiB pages (`4k`) or as the runtime allocates it (`huge`), filled."""
+    if pages == "4k":
+        pool = torch.from_numpy(np.zeros(shape, dtype=np.float32))
+    elif pages == "huge":
+        from llmopt.runtime.model_runner import zeroed
+
+        pool = zeroed(shape, torch.float32, torch.device("cpu"))
+    else:
+        raise SystemExit(f"--pages takes 4k and/or huge, not {pages!r}")
+    return pool.normal_()
 
 if __name__ == "__main__":
     main()
