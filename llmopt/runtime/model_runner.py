@@ -74,7 +74,10 @@ def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     nbytes = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
     if nbytes >= HUGE_PAGE and hasattr(mmap, "MADV_HUGEPAGE"):
         region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        region.madvise(mmap.MADV_HUGEPAGE)  # advice only: the kernel may still use 4 KiB pages
+        try:
+            region.madvise(mmap.MADV_HUGEPAGE)  # advice only: the kernel may still use 4 KiB pages
+        except OSError:  # a kernel built without THP: plain pages, as without the advice
+            pass
         return torch.frombuffer(region, dtype=torch.uint8).view(dtype).view(shape)  # the tensor keeps region alive
     return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
 
