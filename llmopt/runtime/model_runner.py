@@ -21,7 +21,6 @@ block past `num_blocks` for the graphs' padding rows.
 from __future__ import annotations
 
 import mmap
-
 from dataclasses import dataclass, field
 
 import torch
