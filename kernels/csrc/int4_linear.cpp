@@ -81,8 +81,29 @@ inline void quantize_block_scalar(const float* x, int8_t* q, float* d_out, int32
   *sum_out = sum;
 }
 
+#if LLMOPT_COMPILED_AVX512
+// quantize_block_scalar with 16-float lanes: the same max, the same two fp32 operations, and
+// cvtps's round-half-even (the default rounding mode, nearbyint's): bitwise the same codes
+inline void quantize_block_avx512(const float* x, int8_t* q, float* d_out, int32_t* sum_out) {
+  const __m512 a = _mm512_loadu_ps(x), b = _mm512_loadu_ps(x + 16);
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+  const float d = amax / 127.f;
+  const __m512 id = _mm512_set1_ps(d != 0.f ? 1.f / d : 0.f);
+  const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, id)), qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, id));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(qa));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtepi32_epi8(qb));
+  *d_out = d;
+  *sum_out = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+}
+#endif
+
 QuantizedRows quantize_rows(const float* x, int64_t M, int64_t K, int64_t group_blocks, const int64_t* perm,
-                            int64_t rows) {
+                            int64_t rows, int isa) {
+#if LLMOPT_COMPILED_AVX512
+  const auto quantize_block = isa >= kAvx512 ? quantize_block_avx512 : quantize_block_scalar;
+#else
+  const auto quantize_block = quantize_block_scalar;
+#endif
   const int64_t nb = K / kBlock, groups = nb / group_blocks;
   QuantizedRows r{std::vector<int8_t>(rows * K), std::vector<float>(rows * nb), std::vector<float>(rows * groups)};
   at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
@@ -97,7 +118,7 @@ QuantizedRows quantize_rows(const float* x, int64_t M, int64_t K, int64_t group_
         float gs = 0.f;
         for (int64_t b = g * group_blocks; b < (g + 1) * group_blocks; ++b) {
           int32_t sum;
-          quantize_block_scalar(xr + b * kBlock, r.q.data() + m * K + b * kBlock, r.d.data() + m * nb + b, &sum);
+          quantize_block(xr + b * kBlock, r.q.data() + m * K + b * kBlock, r.d.data() + m * nb + b, &sum);
           gs = std::fma(r.d[m * nb + b], static_cast<float>(sum), gs);
         }
         r.gsum[m * groups + g] = gs;
@@ -515,7 +536,7 @@ torch::Tensor int4_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor sc
     const int isa = llmopt_isa::active_isa();
     const bool amx = isa >= kAmx && M >= kAmxMinRows;
     const int64_t rows = amx ? (M + kAmxRows - 1) / kAmxRows * kAmxRows : M;
-    const QuantizedRows X = quantize_rows(x.data_ptr<float>(), M, K, group_size / kBlock, perm_ptr, rows);
+    const QuantizedRows X = quantize_rows(x.data_ptr<float>(), M, K, group_size / kBlock, perm_ptr, rows, isa);
     const Int4Weights W{codes.data_ptr<uint8_t>(), scales.data_ptr<float>(), scaled_zeros.data_ptr<float>(), K, groups,
                         group_size / kBlock};
     float* op = padded.data_ptr<float>();
@@ -545,7 +566,7 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor sc
   auto padded = torch::empty({M, tiles * kTile}, x.options());
   if (M > 0) {
     const int isa = llmopt_isa::active_isa();
-    const QuantizedRows X = quantize_rows(x.data_ptr<float>(), M, K, 1, nullptr, M);
+    const QuantizedRows X = quantize_rows(x.data_ptr<float>(), M, K, 1, nullptr, M, isa);
     const Int8Weights W{codes.data_ptr<int8_t>(), scales.data_ptr<float>(), K};
     float* op = padded.data_ptr<float>();
     const int64_t ldo = tiles * kTile;
