@@ -12,14 +12,18 @@ The bf16 path (`bf16_linear`): oneDNN's matmul with fp32 inputs and outputs in i
 mode (PyTorch's `torch.backends.mkldnn.matmul.fp32_precision = "bf16"`): inputs rounded to
 bfloat16, products summed and returned in fp32. On CPUs with AMX-BF16 tiles it multiplies several
 times faster than fp32 at prompt sizes; the rounding of the inputs is what it costs (relative error
-~2^-9 per input, measured on the default model in docs/benchmarks.md). On AVX512-BF16 without AMX
-(AMD Zen 4 here) oneDNN's bf16 mode returns results with errors of bfloat16 size (up to ~2^-9 of
-the largest output, measured: 50x an fp32 GEMM's), so "auto" leaves those CPUs on fp32.
+~2^-9 per input, measured on the default model in docs/benchmarks.md). Without AMX (AMD Zen 4 with
+AVX512-BF16, oneDNN 3.12) oneDNN's bf16 mode runs its fp32 kernel: results bitwise those of
+`onednn_linear`, at its speed (measured, docs/benchmarks.md), so "auto" leaves those CPUs on fp32.
+
+Full-precision prompt products go through the faster of two fp32 GEMMs on this CPU (`fp32_gemm`):
+MKL's, what `F.linear` runs, or oneDNN's (`onednn_linear`).
 """
 
 from __future__ import annotations
 
 import functools
+import os
 import threading
 from pathlib import Path
 from typing import Callable
@@ -62,6 +66,39 @@ def _cpu_has_amx_bf16() -> bool:
         return False
     flags = set(next((line for line in info.splitlines() if line.startswith("flags")), "").split())
     return "amx_bf16" in flags
+
+
+# Which library multiplies fp32 prompt-sized products at full precision: "mkl" (`F.linear`) or
+# "onednn" (`torch.ops.mkldnn._linear_pointwise` on the plain weight, no copy); LLMOPT_CPU_GEMM
+# forces one (tests run both). Measured side by side, 2 threads, the default model's projections at
+# 2,048 rows (docs/benchmarks.md): on AMD Zen 4 MKL's sgemm (its "zen" kernels, 142-179 GFLOP/s)
+# takes 1.27x oneDNN's time (197-205 GFLOP/s, ~88% of the FMA peak); on an Intel Xeon the two were
+# level (MKL ahead on 2 of 3 shapes). Hence oneDNN on AMD CPUs, MKL elsewhere.
+FP32_GEMMS = ("mkl", "onednn")
+
+
+def fp32_gemm() -> str:
+    """The library for fp32 prompt-sized products on this CPU (`FP32_GEMMS`): LLMOPT_CPU_GEMM when set,
+    else "onednn" on AMD CPUs where oneDNN is available, "mkl" elsewhere."""
+    requested = os.environ.get("LLMOPT_CPU_GEMM")
+    if requested in FP32_GEMMS:
+        return requested if requested == "mkl" or torch.backends.mkldnn.is_available() else "mkl"
+    return "onednn" if _cpu_vendor() == "AuthenticAMD" and torch.backends.mkldnn.is_available() else "mkl"
+
+
+def onednn_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(x, w, bias)` in fp32 through oneDNN's matmul (the weight as it is: plain layout, no copy)."""
+    return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
+
+
+@functools.cache
+def _cpu_vendor() -> str:
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+    line = next((line for line in info.splitlines() if line.startswith("vendor_id")), "")
+    return line.partition(":")[2].strip()
 
 
 def _onednn_bf16() -> bool:

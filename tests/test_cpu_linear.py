@@ -85,7 +85,8 @@ def test_rejects_what_it_cannot_do():
         kernel(torch.randn(2, 9), w)
 
 
-def test_dense_linear_uses_the_kernel_for_few_rows_only():
+def test_dense_linear_uses_the_kernel_for_few_rows_only(monkeypatch):
+    monkeypatch.setenv("LLMOPT_CPU_GEMM", "mkl")
     gen = torch.Generator().manual_seed(5)
     layer = DenseLinear(64, 48, bias=True)
     layer.weight.data = torch.randn(48, 64, generator=gen)
@@ -105,6 +106,46 @@ def test_dense_linear_uses_the_kernel_for_few_rows_only():
     layer.to(torch.float32)
     layer.prepare(ReferenceBackend())
     assert layer.skinny is None and layer.onednn_weight is None and torch.equal(layer(few), F.linear(few, layer.weight, layer.bias))
+
+
+def test_fp32_gemm_is_onednn_on_amd_and_forced_by_the_environment(monkeypatch):
+    monkeypatch.delenv("LLMOPT_CPU_GEMM", raising=False)
+    onednn_here = torch.backends.mkldnn.is_available()
+    assert cpu_linear.fp32_gemm() == ("onednn" if cpu_linear._cpu_vendor() == "AuthenticAMD" and onednn_here else "mkl")
+    monkeypatch.setenv("LLMOPT_CPU_GEMM", "mkl")
+    assert cpu_linear.fp32_gemm() == "mkl"
+    monkeypatch.setenv("LLMOPT_CPU_GEMM", "onednn")
+    assert cpu_linear.fp32_gemm() == ("onednn" if onednn_here else "mkl")
+    monkeypatch.setenv("LLMOPT_CPU_GEMM", "blis")  # not one of FP32_GEMMS: the CPU's default
+    monkeypatch.setattr(cpu_linear, "_cpu_vendor", lambda: "GenuineIntel")
+    assert cpu_linear.fp32_gemm() == "mkl"
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="PyTorch built without oneDNN")
+def test_dense_linear_prompt_rows_through_onednn_on_the_plain_weight(monkeypatch):
+    """Where oneDNN is this CPU's fp32 GEMM, prompt-sized products take it on the weight itself (no
+    copy: the storage is shared), in fp32: within fp32 rounding of the float64 product."""
+    monkeypatch.setenv("LLMOPT_CPU_GEMM", "onednn")
+    gen = torch.Generator().manual_seed(9)
+    layer = DenseLinear(576, 200, bias=True)
+    layer.weight.data = torch.randn(200, 576, generator=gen) * 576 ** -0.5
+    layer.bias.data = torch.randn(200, generator=gen)
+    layer.prepare(CpuBackend())
+    assert layer.onednn_weight.data_ptr() == layer.weight.data_ptr()
+    many = torch.randn(3, SKINNY_MAX_ROWS, 576, generator=gen)
+    out = layer(many)
+    assert out.shape == (3, SKINNY_MAX_ROWS, 200)
+    assert torch.equal(out, cpu_linear.onednn_linear(many, layer.weight, layer.bias))
+    ref = _reference(many.reshape(-1, 576), layer.weight, layer.bias)
+    assert (out.reshape(-1, 200).double() - ref).abs().max().item() < 1e-5 * ref.abs().max().item()
+    with torch.no_grad():
+        layer.weight.mul_(2)  # in-place changes (quantization's) reach the oneDNN product
+    assert torch.allclose(layer(many) - layer.bias, 2 * (out - layer.bias), rtol=1e-5, atol=1e-5)
+    few = torch.randn(4, 576, generator=gen)
+    assert torch.equal(layer(few), kernel(few, layer.weight, layer.bias))  # decode steps: the skinny kernel
+    monkeypatch.setenv("LLMOPT_CPU_GEMM", "mkl")
+    layer.prepare(CpuBackend())
+    assert layer.onednn_weight is None and torch.equal(layer(many), F.linear(many, layer.weight, layer.bias))
 
 
 @pytest.mark.parametrize("rows", [1, 2, 7, 33, 130])

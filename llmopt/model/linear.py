@@ -43,8 +43,9 @@ class DenseLinear(LinearBase):
     `prepare(backend)` asks the kernel backend which kernels this weight runs on
     (`KernelBackend.dense_linear_kernels`); the forward then takes:
     - up to `SKINNY_MAX_ROWS` rows (decode steps), the backend's few-row kernel where it gave one;
-    - more rows, a weight pre-packed for oneDNN where the backend gave one (very wide layers:
-      the vocabulary projection);
+    - more rows, oneDNN's matmul where the backend gave a weight for it: a copy pre-packed once
+      (very wide layers: the vocabulary projection), or the plain weight itself on CPUs where
+      oneDNN's fp32 GEMM is the faster one (`llmopt.kernels.cpu_linear.fp32_gemm`);
     - everything else (prompt chunks, perplexity windows), `F.linear`, as transformers.
     Results agree with `F.linear` to float rounding; the few-row kernel's result for a row does
     not depend on the other rows. The packed copy sits beside the plain weight (checkpoints and

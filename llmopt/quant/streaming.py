@@ -37,7 +37,7 @@ from llmopt.core.threads import one_thread
 from llmopt.core.weights import CheckpointReader, TensorSpec
 from llmopt.errors import LlmoptError
 from llmopt.model.attention import EqualLengthAttention
-from llmopt.model.backends import select_backend
+from llmopt.model.backends import KernelBackend, select_backend
 from llmopt.model.linear import DenseLinear, make_linear
 from llmopt.model.llama import MLP, Attention, DecoderLayer, LlamaForCausalLM, RMSNorm, checkpoint_names
 from llmopt.model.rope import RotaryEmbedding
@@ -141,7 +141,7 @@ def stream_quantize(reader: CheckpointReader, config: ModelConfig, input_ids: to
         if options is None:
             _copy_layer(reader, config, i, sink, dense_dtype)
         else:
-            layer = _read_layer(reader, config, i, dtype, device, ops, matmul)
+            layer = _read_layer(reader, config, i, dtype, device, backend, matmul)
             x, sites = quantize_decoder_layer(config, layer, i, x, cos, sin, attn, options, matmul)
             _emit(sink, config, layer, prefix, sites, fmt, dense_dtype)
             result.sites.extend(SiteReport.of(site) for site in sites)
@@ -230,9 +230,11 @@ def _copy_rows(reader: CheckpointReader, source: str, name: str, sink: TensorSin
 
 
 def _read_layer(reader: CheckpointReader, config: ModelConfig, index: int, dtype: torch.dtype,
-                device: torch.device, ops, matmul=None) -> DecoderLayer:
-    """Decoder layer `index` with its checkpoint tensors, as `loader.build_model` builds it;
-    its float32 linears run prompt-sized products through `matmul` where given."""
+                device: torch.device, backend: KernelBackend, matmul=None) -> DecoderLayer:
+    """Decoder layer `index` with its checkpoint tensors, as `loader.build_model` builds it: the
+    backend's ops and linear kernels (the loaded model's, so both quantize alike); its float32
+    linears run prompt-sized products through `matmul` where given."""
+    ops = backend.decoder_ops(dtype)
     with torch.device("meta"):
         layer = DecoderLayer(config, index)
     prefix = f"model.layers.{index}."
@@ -255,6 +257,7 @@ def _read_layer(reader: CheckpointReader, config: ModelConfig, index: int, dtype
         if isinstance(module, (RMSNorm, Attention, MLP)):
             module.ops = ops
         elif isinstance(module, DenseLinear):
+            module.prepare(backend)
             module.use_prefill_kernel(matmul)
     return layer.eval()
 

@@ -27,8 +27,8 @@ class KernelBackend:
         return replace(REFERENCE_OPS, backend=self.name)
 
     def dense_linear_kernels(self, weight: torch.Tensor) -> tuple[Callable | None, torch.Tensor | None]:
-        """(few-row kernel, pre-packed oneDNN weight) a `DenseLinear` holding `weight` runs on;
-        (None, None): `F.linear`."""
+        """(few-row kernel, the weight oneDNN's matmul takes for prompt-sized products: a pre-packed copy or
+        `weight` itself) a `DenseLinear` holding `weight` runs on; (None, None): `F.linear`."""
         return None, None
 
     def fp32_prefill_linear(self, precision: str) -> Callable | None:

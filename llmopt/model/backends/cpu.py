@@ -14,7 +14,7 @@ import torch
 from llmopt.core.fp8_weight import Fp8Weight
 from llmopt.core.quantized_weight import PackedQuantizedWeight, QuantizedWeight
 from llmopt.kernels.cpu_fused import fused_ops
-from llmopt.kernels.cpu_linear import bf16_linear, skinny_linear_kernel, uses_bf16
+from llmopt.kernels.cpu_linear import bf16_linear, fp32_gemm, skinny_linear_kernel, uses_bf16
 from llmopt.kernels.cpu_paged_attention import KV_DTYPES as KERNEL_KV_DTYPES, decode_kernel
 from llmopt.model.backends.base import KernelBackend
 from llmopt.model.fp8_linear import cpu_fp8_linear
@@ -38,13 +38,15 @@ class CpuBackend(KernelBackend):
 
     def dense_linear_kernels(self, weight: torch.Tensor):
         """fp32 weights on CPU: the C++ few-row kernel (MKL's GEMM re-packs the weight on every
-        call, which at decode's few rows costs more than the arithmetic), and for very wide
-        layers a oneDNN copy pre-packed once (faster than MKL at prompt-sized row counts)."""
+        call, which at decode's few rows costs more than the arithmetic); for very wide layers a
+        oneDNN copy pre-packed once (faster than MKL at prompt-sized row counts), and where oneDNN's
+        fp32 GEMM is this CPU's faster one (`fp32_gemm`), the plain weight for it (no copy)."""
         if weight.device.type != "cpu" or weight.dtype != torch.float32:
             return None, None
         skinny = skinny_linear_kernel() if weight.is_contiguous() else None
-        wide = weight.shape[0] > WIDE_OUTPUT and torch.backends.mkldnn.is_available()
-        return skinny, weight.detach().to_mkldnn() if wide else None
+        if weight.shape[0] > WIDE_OUTPUT and torch.backends.mkldnn.is_available():
+            return skinny, weight.detach().to_mkldnn()
+        return skinny, weight.detach() if fp32_gemm() == "onednn" else None
 
     def fp32_prefill_linear(self, precision: str):
         """bf16 math (oneDNN on AMX-BF16 tiles) where `precision` asks for it on this CPU
