@@ -71,9 +71,9 @@ def _cpu_has_amx_bf16() -> bool:
 # Which library multiplies fp32 prompt-sized products at full precision: "mkl" (`F.linear`) or
 # "onednn" (`torch.ops.mkldnn._linear_pointwise` on the plain weight, no copy); LLMOPT_CPU_GEMM
 # forces one (tests run both). Measured side by side, 2 threads, the default model's projections at
-# 2,048 rows (docs/benchmarks.md): on AMD Zen 4 MKL's sgemm (its "zen" kernels, 142-179 GFLOP/s)
-# takes 1.27x oneDNN's time (197-205 GFLOP/s, ~88% of the FMA peak); on an Intel Xeon the two were
-# level (MKL ahead on 2 of 3 shapes). Hence oneDNN on AMD CPUs, MKL elsewhere.
+# 2,048 rows (docs/benchmarks.md, scripts/bench_fp32_gemm.py): on AMD Zen 4 MKL's sgemm (its "zen"
+# kernels, 141-151 GFLOP/s) takes 1.32x oneDNN's time (181-203 GFLOP/s, 80-90% of the FMA peak); on
+# an Intel Xeon the two were level (MKL ahead on 2 of 3 shapes). Hence oneDNN on AMD CPUs, MKL elsewhere.
 FP32_GEMMS = ("mkl", "onednn")
 
 
