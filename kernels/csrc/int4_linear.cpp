@@ -55,6 +55,11 @@ constexpr int64_t kTile = 8;  // output rows interleaved together
 constexpr int64_t kAmxMinRows = 32;
 constexpr int64_t kAmxRows = 16;  // rows of x per tile product
 
+// Rows of x from which int8 weights (the vocabulary projection's Q8_0 copy) take the VNNI path: below
+// it AVX2's maddubs path was faster with the weights out of cache (Zen 4, one row 0.93-1.22 vs
+// 1.41-1.61 ms for the 49,152 x 576 projection; docs/benchmarks.md), and its results are bitwise alike.
+constexpr int64_t kInt8VnniMinRows = 8;
+
 // Activations of M rows quantized per 32-value block: codes, block scales, and per weight
 // group the sum over its blocks of scale * sum(codes) (the zero-point term's factor). Rows
 // from M up to `rows` (a multiple of the AMX tile height when that path runs) are zeros.
@@ -460,7 +465,8 @@ inline void int4_tile_rows(int isa, const Int4Weights& W, int64_t t, const Quant
 inline void int8_tile_rows(int isa, const Int8Weights& W, int64_t t, const QuantizedRows& X, int64_t M, float* out,
                            int64_t ldo) {
 #if LLMOPT_COMPILED_AVX512
-  if (isa >= kAvx512) return rows_of_tile<Int8Weights, int8_tile_vnni<4>, int8_tile_vnni<1>>(W, t, X, M, out, ldo);
+  if (isa >= kAvx512 && M >= kInt8VnniMinRows)
+    return rows_of_tile<Int8Weights, int8_tile_vnni<4>, int8_tile_vnni<1>>(W, t, X, M, out, ldo);
 #endif
 #if defined(__AVX2__) && defined(__FMA__)
   if (isa >= kAvx2) return rows_of_tile<Int8Weights, int8_tile_avx2<4>, int8_tile_avx2<1>>(W, t, X, M, out, ldo);
