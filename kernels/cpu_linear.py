@@ -31,7 +31,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from llmopt.kernels.cpu_extension import cpu_ops
+from llmopt.kernels.cpu_extension import cpu_ops, log
 
 # up to this many rows the kernel beats MKL on this project's shapes (`llmopt bench kernels --device cpu`)
 SKINNY_MAX_ROWS = 96
@@ -83,12 +83,19 @@ def fp32_gemm() -> str:
     requested = os.environ.get("LLMOPT_CPU_GEMM")
     if requested in FP32_GEMMS:
         return requested if requested == "mkl" or torch.backends.mkldnn.is_available() else "mkl"
+    if requested:
+        _warn_unknown_gemm(requested)
     return "onednn" if _cpu_vendor() == "AuthenticAMD" and torch.backends.mkldnn.is_available() else "mkl"
 
 
 def onednn_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, w, bias)` in fp32 through oneDNN's matmul (the weight as it is: plain layout, no copy)."""
     return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
+
+
+@functools.cache
+def _warn_unknown_gemm(requested: str) -> None:  # once per value: every fp32 layer asks at load
+    log.warning("LLMOPT_CPU_GEMM=%s is not one of %s: ignored", requested, ", ".join(FP32_GEMMS))
 
 
 @functools.cache
