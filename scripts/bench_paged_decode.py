@@ -19,6 +19,7 @@ against the PyTorch path; this script times the pattern a model's step makes.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import importlib.util
 import time
 from pathlib import Path
@@ -28,8 +29,14 @@ import torch
 
 
 def load_build(path: str):
-    """A compiled kernels module from its .so (module name = file stem)."""
-    spec = importlib.util.spec_from_file_location(Path(path).stem, path)
+    """A compiled kernels module from its .so, as a module of its own: under the file stem alone a
+    second build of the same name came back as the first one's module (CPython keeps extension
+    modules by name), so every --so timed the first build; a package prefix named after the path
+    keeps them apart (the init function is found by the last component)."""
+    import torch  # noqa: F401 (the builds link against torch's libraries, loaded by importing it)
+
+    prefix = "llmopt_build_" + hashlib.sha256(str(Path(path).resolve()).encode()).hexdigest()[:12]
+    spec = importlib.util.spec_from_file_location(f"{prefix}.{Path(path).stem}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

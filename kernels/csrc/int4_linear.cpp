@@ -60,6 +60,23 @@ constexpr int64_t kAmxRows = 16;  // rows of x per tile product
 // 1.41-1.61 ms for the 49,152 x 576 projection; docs/benchmarks.md), and its results are bitwise alike.
 constexpr int64_t kInt8VnniMinRows = 8;
 
+// Decode reads each weight once. With only the dot products' own loads in flight, a core waited on
+// memory and then computed, one after the other (one row of x on Zen 4: ~10 GB/s per core from DRAM
+// against ~35 GB/s with the same weights in cache); asking for the codes kPrefetchAhead bytes before
+// they are used, into L2, keeps enough lines in flight to overlap the two (a 33 MB projection at one
+// row, 2 threads: 16-21 -> 40-60 GB/s; docs/benchmarks.md, "int4 weight prefetch"). A thread's span
+// also starts with one burst of prefetches over its first kPrefetchAhead bytes, so short spans (the
+// small projections of a small model) are not waiting on their first lines one at a time. Addresses past
+// the end of the weights are harmless: a prefetch never faults.
+constexpr int64_t kPrefetchAhead = 8192;
+
+inline void prefetch_l2(const void* p) { __builtin_prefetch(p, 0, 2); }  // locality 2: prefetcht1 on x86
+
+// every cache line of [p, p + bytes)
+inline void prefetch_span(const void* p, int64_t bytes) {
+  for (int64_t i = 0; i < bytes; i += 64) prefetch_l2(static_cast<const char*>(p) + i);
+}
+
 // Activations of M rows quantized per 32-value block: codes, block scales, and per weight
 // group the sum over its blocks of scale * sum(codes) (the zero-point term's factor). Rows
 // from M up to `rows` (a multiple of the AMX tile height when that path runs) are zeros.
@@ -210,7 +227,10 @@ inline void int4_tile_avx2(const Int4Weights& W, int64_t t, const QuantizedRows&
   const float* zeros = W.scaled_zeros + t * G * kTile;
   for (int64_t g = 0; g < G; ++g) {
     const __m256 vs = _mm256_loadu_ps(scales + g * kTile);
+    prefetch_l2(reinterpret_cast<const char*>(scales + g * kTile) + kPrefetchAhead / 8);
+    prefetch_l2(reinterpret_cast<const char*>(zeros + g * kTile) + kPrefetchAhead / 8);
     for (int64_t b = g * W.group_blocks; b < (g + 1) * W.group_blocks; ++b) {
+      prefetch_span(codes + b * 128 + kPrefetchAhead, 128);
       __m256i w[8];  // w[j]: columns 4j..4j+3 of the block, 4 bytes per row
       for (int c = 0; c < 4; ++c) {
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + b * 128 + c * 32));
@@ -244,6 +264,8 @@ inline void int8_tile_avx2(const Int8Weights& W, int64_t t, const QuantizedRows&
   for (int m = 0; m < MT; ++m) acc[m] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const int8_t* wb = W.codes + (t * nb + b) * 256;
+    prefetch_span(wb + kPrefetchAhead, 256);
+    prefetch_l2(reinterpret_cast<const char*>(W.scales + (t * nb + b) * kTile) + kPrefetchAhead / 8);
     __m256i dot[MT];
     for (int m = 0; m < MT; ++m) dot[m] = _mm256_setzero_si256();
     for (int c = 0; c < 8; ++c) {
@@ -295,7 +317,12 @@ inline void int4_pair_vnni(const Int4Weights& W, int64_t t, const QuantizedRows&
   const float* z0 = W.scaled_zeros + t * G * kTile;
   for (int64_t g = 0; g < G; ++g) {
     const __m512 vs = load_pair_ps(s0 + g * kTile, s0 + (G + g) * kTile);
+    prefetch_l2(reinterpret_cast<const char*>(s0 + g * kTile) + kPrefetchAhead / 8);
+    prefetch_l2(reinterpret_cast<const char*>(z0 + g * kTile) + kPrefetchAhead / 8);
     for (int64_t b = g * W.group_blocks; b < (g + 1) * W.group_blocks; ++b) {
+      // the pair's two tiles are adjacent in memory: the two streams together prefetch each line once
+      prefetch_span(c0 + b * 128 + kPrefetchAhead, 128);
+      prefetch_span(c1 + b * 128 + kPrefetchAhead, 128);
       __m512i w[8];  // w[j]: columns 4j..4j+3 of the block, 4 bytes per row, 16 rows
       for (int c = 0; c < 4; ++c) {
         const __m512i v = load_pair(c0 + b * 128 + c * 32, c1 + b * 128 + c * 32);
@@ -330,6 +357,8 @@ inline void int8_tile_vnni(const Int8Weights& W, int64_t t, const QuantizedRows&
   for (int m = 0; m < MT; ++m) acc[m] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const int8_t* wb = W.codes + (t * nb + b) * 256;
+    prefetch_span(wb + kPrefetchAhead, 256);
+    prefetch_l2(reinterpret_cast<const char*>(W.scales + (t * nb + b) * kTile) + kPrefetchAhead / 8);
     __m256i dot[MT];
     for (int m = 0; m < MT; ++m) dot[m] = _mm256_setzero_si256();
     for (int c = 0; c < 8; ++c) {
@@ -478,6 +507,11 @@ inline void int8_tile_rows(int isa, const Int8Weights& W, int64_t t, const Quant
 // even); an odd last tile goes through AVX2, whose results are bitwise the same.
 void int4_tiles(int isa, const Int4Weights& W, int64_t t0, int64_t t1, const QuantizedRows& X, int64_t M, float* out,
                 int64_t ldo) {
+  const int64_t tile_bytes = W.K / kBlock * 128, scale_bytes = W.groups * kTile * 4;
+  prefetch_span(W.codes + t0 * tile_bytes, std::min(kPrefetchAhead, (t1 - t0) * tile_bytes));
+  prefetch_span(reinterpret_cast<const char*>(W.scales) + t0 * scale_bytes, std::min(kPrefetchAhead / 8, (t1 - t0) * scale_bytes));
+  prefetch_span(reinterpret_cast<const char*>(W.scaled_zeros) + t0 * scale_bytes,
+                std::min(kPrefetchAhead / 8, (t1 - t0) * scale_bytes));
   int64_t t = t0;
 #if LLMOPT_COMPILED_AMX
   if (isa >= kAmx && M >= kAmxMinRows && t + 2 <= t1) {
@@ -577,6 +611,8 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor sc
     float* op = padded.data_ptr<float>();
     const int64_t ldo = tiles * kTile;
     at::parallel_for(0, tiles, 4, [&](int64_t begin, int64_t end) {
+      const int64_t tile_bytes = K * kTile;
+      prefetch_span(W.codes + begin * tile_bytes, std::min(kPrefetchAhead, (end - begin) * tile_bytes));
       for (int64_t t = begin; t < end; ++t) int8_tile_rows(isa, W, t, X, M, op, ldo);
     });
   }

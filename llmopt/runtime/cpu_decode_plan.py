@@ -48,10 +48,12 @@ def _fp32_norm(norm: torch.nn.Module) -> bool:
     return isinstance(norm, RMSNorm) and norm.weight.dtype == torch.float32 and norm.weight.device.type == "cpu"
 
 
-def build_decode_plan(model: LlamaForCausalLM, kv_dtype: torch.dtype) -> Any | None:
+def build_decode_plan(model: LlamaForCausalLM, kv_dtype: torch.dtype, ops: Any | None = None) -> Any | None:
     """A `DecodePlan` over `model`'s layers, or None where some piece would not run on the CPU
-    kernels (another dtype or device, no AVX2, a layer kind the plan does not know)."""
-    ops = cpu_ops()
+    kernels (another dtype or device, no AVX2, a layer kind the plan does not know). `ops`: the
+    compiled kernels module to build it from (default: llmopt's; scripts/bench_decode_plan.py passes
+    other builds)."""
+    ops = ops or cpu_ops()
     if ops is None or fused_ops() is None or skinny_linear_kernel() is None:
         return None
     if kv_dtype not in (torch.float32, torch.bfloat16, torch.float16):

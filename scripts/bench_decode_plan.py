@@ -1,0 +1,87 @@
+"""A batch-1 decode step's C++ part on CPU, side by side across builds of the kernels: every decoder
+layer (`DecodePlan.run`, llmopt/runtime/cpu_decode_plan.py) and, for int4 models, the vocabulary
+projection's int8 copy, each timed as a step runs them (weights from memory: a step reads more than
+the caches hold). Prints ms per step per build.
+
+    python scripts/bench_decode_plan.py /work/bench/awq135                    # llmopt's build
+    python scripts/bench_decode_plan.py MODEL --so OLD/llmopt_cpu_ops.so --so NEW/llmopt_cpu_ops.so --rounds 5
+
+`--so` loads other builds (an older commit's, from its cache folder
+`$LLMOPT_CACHE/torch_extensions/<digest>/`); the builds run in turn within each round, so the VM's
+swings hit them alike. The sequence's context is `--context` tokens (a prompt of that length,
+prefilled once by llmopt's own build; the plans then write and read the same KV slots).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import torch
+
+from llmopt.kernels.cpu_extension import cpu_ops
+from llmopt.loader import load
+from llmopt.runtime import SamplingParams
+from llmopt.runtime.cpu_decode_plan import build_decode_plan
+from llmopt.runtime.llm import LLM
+import llmopt.runtime.model_runner as model_runner
+
+from bench_paged_decode import load_build
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("model", help="model spec (an AWQ / GPTQ folder: the int4 kernels)")
+    parser.add_argument("--so", action="append", default=[], help="a kernels build to time (repeatable)")
+    parser.add_argument("--context", type=int, default=64, help="tokens of context at the timed step")
+    parser.add_argument("--steps", type=int, default=300, help="timed steps per build per round")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    llm = LLM(load(args.model, dtype="float32"))
+    runner = llm.engine.runner
+    if runner.decode_plan is None:
+        parser.error(f"{args.model}: its decode steps do not run through the C++ plan on this machine")
+    captured = {}
+    run_plan = model_runner.run_decode_plan
+
+    def capture(*call):  # the last decode step's arguments: its tokens, slots, block table
+        captured["call"] = call
+        return run_plan(*call)
+
+    model_runner.run_decode_plan = capture
+    llm.generate([list(range(1, args.context))], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    model_runner.run_decode_plan = run_plan
+    _, model, input_ids, positions, *rest = captured["call"]
+    ops = cpu_ops()  # llmopt's build, loaded by the run above: its file again would register its types twice
+    builds = [(path, ops if Path(path).resolve() == Path(ops.__file__).resolve() else load_build(path))
+              for path in args.so] or [("llmopt", ops)]
+    head = model.lm_head.int8_weight
+    with torch.inference_mode():
+        x = model.model.embed(input_ids)
+        cos, sin = model.model.rotary_emb(positions, x.dtype)
+        plans = {name: (build_decode_plan(model, runner.attn.k_caches.dtype, ops), ops) for name, ops in builds}
+        hidden = torch.randn(1, x.shape[1])
+        for r in range(args.rounds):
+            for name, (plan, ops) in plans.items():
+                for _ in range(10):
+                    plan.run(x, cos, sin, *rest)
+                layers_s = head_s = 0.0
+                for _ in range(args.steps):  # as a step runs them: the layers, then the head
+                    start = time.perf_counter()
+                    plan.run(x, cos, sin, *rest)
+                    middle = time.perf_counter()
+                    if head is not None:
+                        ops.int8_linear(hidden, head.codes, head.scales, head.out_features)
+                    head_s += time.perf_counter() - middle
+                    layers_s += middle - start
+                line = f"round {r + 1}  {name}: layers {layers_s / args.steps * 1e3:.3f} ms"
+                if head is not None:
+                    line += f", vocabulary projection (int8) {head_s / args.steps * 1e3:.3f} ms"
+                print(line, flush=True)
+
+
+if __name__ == "__main__":
+    main()
