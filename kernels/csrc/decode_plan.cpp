@@ -8,18 +8,24 @@
 // (llmopt/model/llama.py), so its hidden states are bitwise those of the module path.
 #include <torch/extension.h>
 #include <pybind11/stl.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 #include <vector>
+#include "prefetch.h"
 
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
                            torch::Tensor context_lens, int64_t block_size, double scale, int64_t sliding_window);
 torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
 std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor w, double eps);
-void rotary_embedding_(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor sin);
+void rotary_rows_(float* xp, int64_t n, int64_t heads, int64_t D, int64_t s0, int64_t s1, const float* cp,
+                  const float* sp);
 torch::Tensor silu_and_mul(torch::Tensor x);
-torch::Tensor int4_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor scaled_zeros,
-                          int64_t out_features, int64_t group_size, c10::optional<torch::Tensor> perm,
-                          c10::optional<torch::Tensor> bias);
+torch::Tensor int4_linear_next(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor scaled_zeros,
+                               int64_t out_features, int64_t group_size, c10::optional<torch::Tensor> perm,
+                               c10::optional<torch::Tensor> bias, const std::vector<WeightRegion>& next);
+std::vector<WeightRegion> int4_weight_regions(const torch::Tensor& codes, const torch::Tensor& scales,
+                                              const torch::Tensor& scaled_zeros);
 torch::Tensor fp8_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, c10::optional<torch::Tensor> bias);
 
 namespace {
@@ -34,9 +40,15 @@ struct LinearSpec {
   int64_t out_features = 0, group_size = 0;
   c10::optional<torch::Tensor> perm, bias;
 
-  torch::Tensor operator()(const torch::Tensor& x) const {
+  // the weights as prefetch regions (int4 only: the other kinds' kernels take no `next`)
+  std::vector<WeightRegion> regions() const {
+    return kind == kInt4 ? int4_weight_regions(codes, scales, scaled_zeros) : std::vector<WeightRegion>{};
+  }
+
+  // `next`: the projection that runs after this one (int4 kernels prefetch each thread's share of it)
+  torch::Tensor operator()(const torch::Tensor& x, const std::vector<WeightRegion>& next = {}) const {
     switch (kind) {
-      case kInt4: return int4_linear(x, codes, scales, scaled_zeros, out_features, group_size, perm, bias);
+      case kInt4: return int4_linear_next(x, codes, scales, scaled_zeros, out_features, group_size, perm, bias, next);
       case kFp8: return fp8_linear(x, codes, scales, bias);
       default: return skinny_linear(x, weight, bias);
     }
@@ -49,47 +61,101 @@ struct LayerSpec {
   LinearSpec qkv, o, gate_up, down;
   int64_t num_heads, num_kv_heads, head_dim, sliding_window;  // sliding_window -1: none
   double scale;  // the attention scale, as the module path computes it (head_dim ** -0.5)
+  // prefetch regions of the projection after each of qkv, o, gate_up, down (down: the next layer's qkv)
+  std::vector<WeightRegion> after_qkv, after_o, after_gate_up, after_down;
 };
+
+// The new token's K and V rows (row r of `k` / `v`, kv_size floats, rows `stride` apart) into layer
+// `layer` of the pools [layers, slots, kv heads, head dim] at slot_mapping[r]: what index_copy_ of
+// k.to(pool dtype) did, without its dispatch (~8 us a layer); the same conversion (c10's round to
+// nearest even for bf16 / fp16).
+template <typename T>
+void write_kv(torch::Tensor& pool, int64_t layer, const float* rows, int64_t stride, int64_t n, int64_t kv_size,
+              const int64_t* slots) {
+  const int64_t num_slots = pool.size(1);
+  T* base = pool.data_ptr<T>() + layer * num_slots * kv_size;
+  for (int64_t r = 0; r < n; ++r) {
+    TORCH_CHECK(slots[r] >= 0 && slots[r] < num_slots, "decode plan: slot ", slots[r], " outside the pool");
+    T* dst = base + slots[r] * kv_size;
+    const float* src = rows + r * stride;
+    for (int64_t i = 0; i < kv_size; ++i) dst[i] = static_cast<T>(src[i]);
+  }
+}
+
+void write_kv_rows(torch::Tensor& pool, int64_t layer, const float* rows, int64_t stride, int64_t n, int64_t kv_size,
+                   const int64_t* slots) {
+  switch (pool.scalar_type()) {
+    case torch::kFloat32: return write_kv<float>(pool, layer, rows, stride, n, kv_size, slots);
+    case torch::kBFloat16: return write_kv<c10::BFloat16>(pool, layer, rows, stride, n, kv_size, slots);
+    case torch::kFloat16: return write_kv<c10::Half>(pool, layer, rows, stride, n, kv_size, slots);
+    default: TORCH_CHECK(false, "decode plan: K/V pools must be fp32, bf16 or fp16");
+  }
+}
 
 class DecodePlan {
  public:
   void add_layer(torch::Tensor input_norm, torch::Tensor post_norm, double eps, LinearSpec qkv, LinearSpec o,
                  LinearSpec gate_up, LinearSpec down, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                  int64_t sliding_window, double scale) {
-    layers_.push_back({input_norm, post_norm, eps, qkv, o, gate_up, down, num_heads, num_kv_heads, head_dim,
-                       sliding_window, scale});
+    LayerSpec layer{input_norm, post_norm, eps, qkv, o, gate_up, down, num_heads, num_kv_heads, head_dim,
+                    sliding_window, scale};
+    layer.after_qkv = o.regions();
+    layer.after_o = gate_up.regions();
+    layer.after_gate_up = down.regions();
+    if (!layers_.empty()) layers_.back().after_down = qkv.regions();
+    layers_.push_back(std::move(layer));
   }
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
   // x [n, hidden] (embedded tokens, one per sequence) -> hidden states after the last layer
   // (before the final norm). k_caches / v_caches [layers, slots, kv_heads, head_dim].
+  // The module path's residual add (x + mlp(h)) is done by the next layer's input norm
+  // (add_rms_norm: residual + x, then the same RMSNorm as rms_norm), the same fp32 operations.
   torch::Tensor run(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, torch::Tensor k_caches,
                     torch::Tensor v_caches, torch::Tensor slot_mapping, torch::Tensor block_tables,
                     torch::Tensor context_lens, int64_t block_size) const {
     const int64_t n = x.size(0);
+    TORCH_CHECK(slot_mapping.dtype() == torch::kInt64 && slot_mapping.is_contiguous() && slot_mapping.numel() == n,
+                "decode plan: slot_mapping int64 [n]");
+    TORCH_CHECK(k_caches.is_contiguous() && v_caches.is_contiguous(), "decode plan: contiguous K/V pools");
+    const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+    x = x.contiguous();
+    torch::Tensor mlp_out;  // the previous layer's MLP output, not yet added to x
     for (size_t i = 0; i < layers_.size(); ++i) {
       const LayerSpec& L = layers_[i];
       const int64_t q_size = L.num_heads * L.head_dim, kv_size = L.num_kv_heads * L.head_dim;
+      TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.dtype() == torch::kFloat32 &&
+                      sin.dtype() == torch::kFloat32 && cos.dim() == 2 && cos.size(0) == n &&
+                      cos.size(1) == L.head_dim && sin.sizes() == cos.sizes(),
+                  "decode plan: cos, sin fp32 [n, head_dim] contiguous");
       // attention block (Attention.forward + PagedAttentionBackend.forward, decode only)
-      torch::Tensor h = rms_norm(x.contiguous(), L.input_norm, L.eps);
-      torch::Tensor qkv = L.qkv(h);
-      torch::Tensor q = qkv.narrow(1, 0, q_size).view({n, L.num_heads, L.head_dim});
-      torch::Tensor k = qkv.narrow(1, q_size, kv_size).view({n, L.num_kv_heads, L.head_dim});
-      torch::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({n, L.num_kv_heads, L.head_dim});
-      rotary_embedding_(q, k, cos, sin);
-      torch::Tensor k_cache = k_caches.select(0, i), v_cache = v_caches.select(0, i);
-      k_cache.index_copy_(0, slot_mapping, k.to(k_cache.scalar_type()));
-      v_cache.index_copy_(0, slot_mapping, v.to(v_cache.scalar_type()));
-      torch::Tensor attn = paged_decode(q.contiguous(), k_cache, v_cache, block_tables, context_lens, block_size,
-                                        L.scale, L.sliding_window);
-      h = L.o(attn.reshape({n, q_size}));
+      torch::Tensor h;
+      if (mlp_out.defined()) {
+        std::vector<torch::Tensor> normed = add_rms_norm(mlp_out, x, L.input_norm, L.eps);
+        h = normed[0];
+        x = normed[1];
+      } else {
+        h = rms_norm(x, L.input_norm, L.eps);
+      }
+      torch::Tensor qkv = L.qkv(h, L.after_qkv);
+      float* qkv_p = qkv.data_ptr<float>();
+      const int64_t row = qkv.size(1);
+      rotary_rows_(qkv_p, n, L.num_heads, L.head_dim, row, L.head_dim, cos.data_ptr<float>(), sin.data_ptr<float>());
+      rotary_rows_(qkv_p + q_size, n, L.num_kv_heads, L.head_dim, row, L.head_dim, cos.data_ptr<float>(),
+                   sin.data_ptr<float>());
+      write_kv_rows(k_caches, i, qkv_p + q_size, row, n, kv_size, slots);
+      write_kv_rows(v_caches, i, qkv_p + q_size + kv_size, row, n, kv_size, slots);
+      torch::Tensor q = qkv.narrow(1, 0, q_size).view({n, L.num_heads, L.head_dim}).contiguous();
+      torch::Tensor attn = paged_decode(q, k_caches.select(0, i), v_caches.select(0, i), block_tables, context_lens,
+                                        block_size, L.scale, L.sliding_window);
+      h = L.o(attn.view({n, q_size}), L.after_o);
       // MLP block (DecoderLayer.forward: residual add + norm, then x + mlp(h))
-      std::vector<torch::Tensor> normed = add_rms_norm(h.contiguous(), x.contiguous(), L.post_norm, L.eps);
-      torch::Tensor gate_up = L.gate_up(normed[0]);
-      x = normed[1] + L.down(silu_and_mul(gate_up.contiguous()));
+      std::vector<torch::Tensor> normed = add_rms_norm(h, x, L.post_norm, L.eps);
+      x = normed[1];
+      mlp_out = L.down(silu_and_mul(L.gate_up(normed[0], L.after_gate_up)), L.after_down);
     }
-    return x;
+    return mlp_out.defined() ? x + mlp_out : x;
   }
 
  private:

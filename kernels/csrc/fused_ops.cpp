@@ -68,15 +68,22 @@ std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor residual,
   return {out, summed};
 }
 
+void rotary_rows_(float* xp, int64_t n, int64_t heads, int64_t D, int64_t s0, int64_t s1, const float* cp,
+                  const float* sp);
+
 // rope in the "rotate half" layout, in place: for each head, with half = D / 2,
 //   x[i]        <- x[i] * cos[i] - x[i + half] * sin[i]
 //   x[i + half] <- x[i + half] * cos[i + half] + x[i] * sin[i + half]
 // x: [tokens, heads, D] with unit stride along D (rows and heads may be strided, e.g. views
 // into the fused qkv output); cos, sin: [tokens, D] contiguous
 static void rotary_one(torch::Tensor& x, const float* cp, const float* sp) {
-  const int64_t n = x.size(0), heads = x.size(1), D = x.size(2), half = D / 2;
-  const int64_t s0 = x.stride(0), s1 = x.stride(1);
-  float* xp = x.data_ptr<float>();
+  rotary_rows_(x.data_ptr<float>(), x.size(0), x.size(1), x.size(2), x.stride(0), x.stride(1), cp, sp);
+}
+
+// the same on raw rows: n tokens of `heads` heads of D floats at x + t * s0 + head * s1
+void rotary_rows_(float* xp, int64_t n, int64_t heads, int64_t D, int64_t s0, int64_t s1, const float* cp,
+                  const float* sp) {
+  const int64_t half = D / 2;
   at::parallel_for(0, n, grain_for(heads * D), [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t) {
       const float* c = cp + t * D;
@@ -139,6 +146,9 @@ std::vector<torch::Tensor> add_rms_norm(torch::Tensor, torch::Tensor, torch::Ten
   TORCH_CHECK(false, "built without AVX2/FMA");
 }
 void rotary_embedding_(torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor) { TORCH_CHECK(false, "built without AVX2/FMA"); }
+void rotary_rows_(float*, int64_t, int64_t, int64_t, int64_t, int64_t, const float*, const float*) {
+  TORCH_CHECK(false, "built without AVX2/FMA");
+}
 torch::Tensor silu_and_mul(torch::Tensor) { TORCH_CHECK(false, "built without AVX2/FMA"); }
 
 #endif

@@ -37,6 +37,7 @@
 #include <cmath>
 #include <vector>
 #include "isa.h"
+#include "prefetch.h"
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -64,18 +65,14 @@ constexpr int64_t kInt8VnniMinRows = 8;
 // memory and then computed, one after the other (one row of x on Zen 4: ~10 GB/s per core from DRAM
 // against ~35 GB/s with the same weights in cache); asking for the codes kPrefetchAhead bytes before
 // they are used, into L2, keeps enough lines in flight to overlap the two (a 33 MB projection at one
-// row, 2 threads: 16-21 -> 40-60 GB/s; docs/benchmarks.md, "int4 weight prefetch"). A thread's span
+// row, 2 threads: 16-21 -> 40-60 GB/s; docs/benchmarks.md, "int4 and int8 weights
+// prefetched into L2"). A thread's span
 // also starts with one burst of prefetches over its first kPrefetchAhead bytes, so short spans (the
 // small projections of a small model) are not waiting on their first lines one at a time. Addresses past
 // the end of the weights are harmless: a prefetch never faults.
 constexpr int64_t kPrefetchAhead = 8192;
-
-inline void prefetch_l2(const void* p) { __builtin_prefetch(p, 0, 2); }  // locality 2: prefetcht1 on x86
-
-// every cache line of [p, p + bytes)
-inline void prefetch_span(const void* p, int64_t bytes) {
-  for (int64_t i = 0; i < bytes; i += 64) prefetch_l2(static_cast<const char*>(p) + i);
-}
+using llmopt_prefetch::prefetch_l2;
+using llmopt_prefetch::prefetch_span;
 
 // Activations of M rows quantized per 32-value block: codes, block scales, and per weight
 // group the sum over its blocks of scale * sum(codes) (the zero-point term's factor). Rows
@@ -549,9 +546,42 @@ bool int4_linear_simd() {
 #endif
 }
 
+// Each thread's share of `next` (the weights of the projection that runs after this one): the same
+// fraction of each region as its tiles are of this one's, at most kNextPrefetch bytes of it from the
+// start of that share. The decode plan passes them: after a projection come a few microseconds of
+// small ops (norms, rope, attention) on the calling thread while the memory system would sit idle, and
+// with a static split the same thread takes the same fraction of the next projection's tiles.
+constexpr int64_t kNextPrefetch = 16384;
+
+static void prefetch_share(const std::vector<WeightRegion>& next, int64_t begin, int64_t end, int64_t total) {
+  for (const WeightRegion& region : next) {
+    const int64_t from = region.bytes * begin / total, to = region.bytes * end / total;
+    llmopt_prefetch::prefetch_span(region.data + from, std::min(to - from, region.max_bytes));
+  }
+}
+
+torch::Tensor int4_linear_next(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor scaled_zeros,
+                               int64_t out_features, int64_t group_size, c10::optional<torch::Tensor> perm,
+                               c10::optional<torch::Tensor> bias, const std::vector<WeightRegion>& next);
+
 torch::Tensor int4_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor scaled_zeros,
                           int64_t out_features, int64_t group_size, c10::optional<torch::Tensor> perm,
                           c10::optional<torch::Tensor> bias) {
+  return int4_linear_next(x, codes, scales, scaled_zeros, out_features, group_size, perm, bias, {});
+}
+
+std::vector<WeightRegion> int4_weight_regions(const torch::Tensor& codes, const torch::Tensor& scales,
+                                              const torch::Tensor& scaled_zeros) {
+  const auto region = [](const torch::Tensor& t, int64_t max_bytes) {
+    return WeightRegion{static_cast<const char*>(t.data_ptr()), t.numel() * static_cast<int64_t>(t.element_size()),
+                        max_bytes};
+  };
+  return {region(codes, kNextPrefetch), region(scales, kNextPrefetch / 8), region(scaled_zeros, kNextPrefetch / 8)};
+}
+
+torch::Tensor int4_linear_next(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor scaled_zeros,
+                               int64_t out_features, int64_t group_size, c10::optional<torch::Tensor> perm,
+                               c10::optional<torch::Tensor> bias, const std::vector<WeightRegion>& next) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(), "int4_linear: x fp32 [M, K] contiguous");
   const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(codes.dtype() == torch::kUInt8 && codes.dim() == 2 && codes.is_contiguous() && codes.size(1) * 2 == K * kTile,
@@ -582,8 +612,10 @@ torch::Tensor int4_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor sc
     float* op = padded.data_ptr<float>();
     const int64_t ldo = tiles * kTile;
     // work in pairs of tiles (the wide paths' unit)
-    at::parallel_for(0, (tiles + 1) / 2, 2, [&](int64_t begin, int64_t end) {
+    const int64_t pairs = (tiles + 1) / 2;
+    at::parallel_for(0, pairs, 2, [&](int64_t begin, int64_t end) {
       int4_tiles(isa, W, 2 * begin, std::min(2 * end, tiles), X, M, op, ldo);
+      prefetch_share(next, begin, end, pairs);
     });
   }
   auto out = N == tiles * kTile ? padded : padded.narrow(1, 0, N).contiguous();
