@@ -130,17 +130,29 @@ static inline __m256 reduce8(const __m256* a) {
   return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
+// positions ahead to prefetch in the score pass (16 and 32 measured alike, 8 slower: docs/benchmarks.md,
+// "Paged decode attention")
+static constexpr int64_t kAhead = 16;
+
 // D % 8 == 0: 8 keys at a time, 8 independent FMA chains, one vector of 8 scores per head
 template <typename T>
-static void scores_avx2(const Item& it, const T* k, float* scores, float* maxes) {
+static void scores_avx2(const Item& it, const T* k, const T* v, float* scores, float* maxes) {
   const int64_t n = it.n, D = it.D;
   const __m256 vscale = _mm256_set1_ps(it.scale);
+  // keys and values kAhead positions ahead (the rows are scattered, so no hardware prefetcher follows
+  // them): the values too, so the value pass finds its rows in L2; the first kAhead up front
+  for (int64_t j = 0; j < std::min(n, kAhead); ++j) {
+    prefetch_row(k + it.rows[j], D);
+    prefetch_row(v + it.rows[j], D);
+  }
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
     const T* kr[8];
     for (int r = 0; r < 8; ++r) kr[r] = k + it.rows[i + r];
-    if (i + 16 <= n)  // the next 8 keys from memory while these 8 are computed (rows are scattered)
-      for (int r = 0; r < 8; ++r) prefetch_row(k + it.rows[i + 8 + r], D);
+    for (int64_t j = i + kAhead; j < std::min(n, i + kAhead + 8); ++j) {
+      prefetch_row(k + it.rows[j], D);
+      prefetch_row(v + it.rows[j], D);
+    }
     for (int64_t g = 0; g < it.G; ++g) {
       const float* qg = it.q + g * D;
       __m256 acc[8];
@@ -226,7 +238,7 @@ static inline float exp_shifted(float* s, int64_t n, float m) {
 
 
 template <typename T>
-static void scores_avx2(const Item&, const T*, float*, float*) {}
+static void scores_avx2(const Item&, const T*, const T*, float*, float*) {}
 template <typename T>
 static void values_avx2(const Item&, const T*, const float*, const float*, float*) {}
 static constexpr bool kHaveAvx2 = false;
@@ -302,7 +314,7 @@ static void decode(const torch::Tensor& q, const torch::Tensor& k_cache, const t
       scores.resize(G * n);  // [G][n]: each head's scores contiguous for the softmax
       std::fill(maxes.begin(), maxes.end(), -std::numeric_limits<float>::infinity());
       if (vectorised)
-        scores_avx2(it, kp, scores.data(), maxes.data());
+        scores_avx2(it, kp, vp, scores.data(), maxes.data());
       else
         scores_generic(it, kp, scores.data(), maxes.data());
       for (int64_t g = 0; g < G; ++g) sums[g] = exp_shifted(scores.data() + g * n, n, maxes[g]);
