@@ -9,7 +9,7 @@ import torch
 
 from llmopt.errors import LlmoptError
 from llmopt.runtime import SamplingParams
-from llmopt.runtime.sampler import draw, filtered_probs, make_generator, sample
+from llmopt.runtime.sampler import argmax_rows, draw, filtered_probs, make_generator, sample
 
 # probabilities 0.5, 0.25, 0.125, 0.0625, 0.0625
 LOGITS = torch.log(torch.tensor([0.5, 0.25, 0.125, 0.0625, 0.0625]))
@@ -221,3 +221,15 @@ def test_every_tensor_the_sampler_combines_is_on_the_logits_device_and_dtype(dty
     assert not off_device, off_device
     other_dtype = [str(func) for func, t in combined if t.is_floating_point() and t.dtype != dtype]
     assert not other_dtype, other_dtype
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_argmax_rows_is_torch_argmax(dtype):
+    """NumPy's argmax on CPU: the first index of a tied maximum and a NaN as the maximum, as torch's."""
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 1000, generator=gen).to(dtype)
+    logits[1, 7] = logits[1, 900] = 50.0  # a tie: the first index wins
+    logits[2, 3] = float("nan")
+    logits[3] = 0.0  # every entry tied
+    assert argmax_rows(logits) == logits.argmax(dim=-1).tolist()
+    assert argmax_rows(logits)[1] == 7 and argmax_rows(logits)[2] == 3 and argmax_rows(logits)[3] == 0

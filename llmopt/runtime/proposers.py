@@ -15,6 +15,7 @@ import torch
 
 from llmopt.loader import LoadedModel
 from llmopt.runtime.model_runner import ModelRunner
+from llmopt.runtime.sampler import argmax_rows
 from llmopt.runtime.sequence import Sequence
 
 
@@ -99,7 +100,7 @@ class DraftModelProposer:
         active = views
         while scheduled:
             out = self.runner.execute(scheduled)
-            next_ids = out.logits.argmax(dim=-1).tolist()
+            next_ids = argmax_rows(out.logits)
             by_view = {id(v): t for v, t in zip(out.samplers, next_ids)}
             for view, n in scheduled:
                 view.num_computed_tokens += n

@@ -152,11 +152,20 @@ def _logprobs(scored_logits: torch.Tensor, token: int, n: int | None) -> dict[in
     return logprobs
 
 
+def argmax_rows(logits: torch.Tensor) -> list[int]:
+    """The first index of each row's maximum (a NaN counts as the maximum, as in torch.argmax). On CPU
+    through NumPy's SIMD argmax: torch's took 43 us for one row of a 49,152-token vocabulary and 277 us
+    for eight (2 threads), NumPy's 4 and 27 us."""
+    if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64, torch.float16):
+        return logits.detach().numpy().argmax(axis=-1).tolist()
+    return logits.argmax(dim=-1).tolist()
+
+
 def sample_batch(logits: torch.Tensor, requests: list[SampleRequest]) -> list[SampleResult]:
     """logits [batch, vocab] -> one result per row."""
     logits = logits.float()
     plain = all(not r.params.uses_penalties and not r.blocked_ids and r.allowed_ids is None for r in requests)
-    greedy_ids = logits.argmax(dim=-1).tolist() if plain else None
+    greedy_ids = argmax_rows(logits) if plain else None
     results: list[SampleResult] = []
     for row, req in enumerate(requests):
         p = req.params
