@@ -39,6 +39,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
+    if args.context < 2 or min(args.steps, args.rounds, args.threads) < 1:
+        parser.error("--context must be at least 2, --steps, --rounds and --threads at least 1")
     torch.set_num_threads(args.threads)
     llm = LLM(load(args.model, dtype="float32"))
     runner = llm.engine.runner

@@ -119,16 +119,16 @@ class DecodePlan {
     TORCH_CHECK(slot_mapping.dtype() == torch::kInt64 && slot_mapping.is_contiguous() && slot_mapping.numel() == n,
                 "decode plan: slot_mapping int64 [n]");
     TORCH_CHECK(k_caches.is_contiguous() && v_caches.is_contiguous(), "decode plan: contiguous K/V pools");
+    TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.dtype() == torch::kFloat32 &&
+                    sin.dtype() == torch::kFloat32 && cos.dim() == 2 && cos.size(0) == n && sin.sizes() == cos.sizes(),
+                "decode plan: cos, sin fp32 [n, head_dim] contiguous");
     const int64_t* slots = slot_mapping.data_ptr<int64_t>();
     x = x.contiguous();
     torch::Tensor mlp_out;  // the previous layer's MLP output, not yet added to x
     for (size_t i = 0; i < layers_.size(); ++i) {
       const LayerSpec& L = layers_[i];
       const int64_t q_size = L.num_heads * L.head_dim, kv_size = L.num_kv_heads * L.head_dim;
-      TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.dtype() == torch::kFloat32 &&
-                      sin.dtype() == torch::kFloat32 && cos.dim() == 2 && cos.size(0) == n &&
-                      cos.size(1) == L.head_dim && sin.sizes() == cos.sizes(),
-                  "decode plan: cos, sin fp32 [n, head_dim] contiguous");
+      TORCH_CHECK(cos.size(1) == L.head_dim, "decode plan: cos, sin of ", cos.size(1), " columns, head_dim ", L.head_dim);
       // attention block (Attention.forward + PagedAttentionBackend.forward, decode only)
       torch::Tensor h;
       if (mlp_out.defined()) {

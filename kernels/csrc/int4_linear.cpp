@@ -560,16 +560,6 @@ static void prefetch_share(const std::vector<WeightRegion>& next, int64_t begin,
   }
 }
 
-torch::Tensor int4_linear_next(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor scaled_zeros,
-                               int64_t out_features, int64_t group_size, c10::optional<torch::Tensor> perm,
-                               c10::optional<torch::Tensor> bias, const std::vector<WeightRegion>& next);
-
-torch::Tensor int4_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor scaled_zeros,
-                          int64_t out_features, int64_t group_size, c10::optional<torch::Tensor> perm,
-                          c10::optional<torch::Tensor> bias) {
-  return int4_linear_next(x, codes, scales, scaled_zeros, out_features, group_size, perm, bias, {});
-}
-
 std::vector<WeightRegion> int4_weight_regions(const torch::Tensor& codes, const torch::Tensor& scales,
                                               const torch::Tensor& scaled_zeros) {
   const auto region = [](const torch::Tensor& t, int64_t max_bytes) {
@@ -621,6 +611,12 @@ torch::Tensor int4_linear_next(torch::Tensor x, torch::Tensor codes, torch::Tens
   auto out = N == tiles * kTile ? padded : padded.narrow(1, 0, N).contiguous();
   if (bias.has_value()) out.add_(bias.value());
   return out;
+}
+
+torch::Tensor int4_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor scaled_zeros,
+                          int64_t out_features, int64_t group_size, c10::optional<torch::Tensor> perm,
+                          c10::optional<torch::Tensor> bias) {
+  return int4_linear_next(x, codes, scales, scaled_zeros, out_features, group_size, perm, bias, {});
 }
 
 // y = x @ (codes * scale).T: symmetric 8-bit weights, one scale per row and 32 columns (Q8_0);
