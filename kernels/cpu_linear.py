@@ -8,13 +8,16 @@ as long in its linears as batch 1. The kernel reads each weight row once and dot
 all rows of x while it is in L1 (`llmopt bench kernels --device cpu` measures both). Larger
 inputs (prompt chunks, perplexity windows) keep MKL, which wins there, or take the bf16 path.
 
-The bf16 path (`bf16_linear`): oneDNN's matmul with fp32 inputs and outputs in its bf16 math
-mode (PyTorch's `torch.backends.mkldnn.matmul.fp32_precision = "bf16"`): inputs rounded to
-bfloat16, products summed and returned in fp32. On CPUs with AMX-BF16 tiles it multiplies several
-times faster than fp32 at prompt sizes; the rounding of the inputs is what it costs (relative error
-~2^-9 per input, measured on the default model in docs/benchmarks.md). Without AMX (AMD Zen 4 with
-AVX512-BF16, oneDNN 3.12) oneDNN's bf16 mode runs its fp32 kernel: results bitwise those of
-`onednn_linear`, at its speed (measured, docs/benchmarks.md), so "auto" leaves those CPUs on fp32.
+The bf16 paths (`prefill_kernel`), one of two by CPU (`bf16_way`). With AMX-BF16 tiles, `bf16_linear`:
+oneDNN's matmul with fp32 inputs and outputs in its bf16 math mode (PyTorch's
+`torch.backends.mkldnn.matmul.fp32_precision = "bf16"`): inputs rounded to bfloat16, products summed
+and returned in fp32, several times faster than fp32 at prompt sizes. With AVX512-BF16 alone (AMD
+Zen 4, Intel Cooper Lake) that mode runs oneDNN's fp32 kernel (bitwise `onednn_linear`, at its
+speed, oneDNN 3.12), while oneDNN's bf16 GEMM on bf16 tensors (`vdpbf16ps`, fp32 sums) runs ~1.7x
+fp32's rate there: so on those CPUs `bf16_tensor_linear` rounds the inputs and the weight to bfloat16
+for the call, and the result comes back rounded to bfloat16 too (what oneDNN returns), then widened. The roundings are
+what it costs (relative error ~2^-9 per input, and per output without AMX; measured on the default
+model in docs/benchmarks.md).
 
 Full-precision prompt products go through the faster of two fp32 GEMMs on this CPU (`fp32_gemm`):
 MKL's, what `F.linear` runs, or oneDNN's (`onednn_linear`).
@@ -48,24 +51,41 @@ def skinny_linear_kernel() -> Callable | None:
 
 
 def native_bf16() -> bool:
-    """Whether this CPU has AMX-BF16 tiles (`/proc/cpuinfo` flag amx_bf16), oneDNN can use them, and the
-    CPU kernels' SIMD path is not capped below AVX-512 (`LLMOPT_CPU_ISA=avx2` keeps every product on
-    the AVX2-era fp32 paths). Only there does oneDNN's bf16 mode sum and return fp32 (without AVX-512
-    it emulates bf16 at about fp32's cost; with AVX512-BF16 alone its results carry bf16 rounding)."""
+    """Whether this CPU multiplies bf16 natively in a way oneDNN uses (`bf16_way`: AMX-BF16 tiles or
+    AVX512-BF16) and the CPU kernels' SIMD path is not capped below AVX-512 (`LLMOPT_CPU_ISA=avx2`
+    keeps every product on the AVX2-era fp32 paths). Without either, oneDNN emulates bf16 at about
+    fp32's cost."""
     ops = cpu_ops()
     if ops is not None and ops.cpu_isa() in ("scalar", "avx2"):
         return False
-    return _cpu_has_amx_bf16() and _onednn_bf16()
+    return bf16_way() != "emulated" and _onednn_bf16()
+
+
+def bf16_way() -> str:
+    """How this CPU multiplies bf16 for oneDNN: "amx" (AMX-BF16 tiles: `bf16_linear`), "avx512_bf16"
+    (`vdpbf16ps` on bf16 tensors: `bf16_tensor_linear`) or "emulated" (neither)."""
+    flags = _cpu_flags()
+    return "amx" if "amx_bf16" in flags else "avx512_bf16" if "avx512_bf16" in flags else "emulated"
+
+
+def bf16_prompt_attention() -> bool:
+    """Whether attention over prompt chunks pays in bf16 here: on AMX-BF16 tiles PyTorch's CPU flash
+    attention runs 2.3-3x faster on bf16 q/k/v; with AVX512-BF16 alone it ran no faster than fp32
+    (AMD Zen 4: 4.28 vs 4.04 ms per layer call at 512 tokens, 2 threads), so there it stays fp32."""
+    return bf16_way() == "amx"
 
 
 @functools.cache
-def _cpu_has_amx_bf16() -> bool:
+def _cpu_flags() -> frozenset[str]:
     try:
         info = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return False
-    flags = set(next((line for line in info.splitlines() if line.startswith("flags")), "").split())
-    return "amx_bf16" in flags
+        return frozenset()
+    return frozenset(next((line for line in info.splitlines() if line.startswith("flags")), "").split())
+
+
+def _cpu_has_amx_bf16() -> bool:
+    return "amx_bf16" in _cpu_flags()
 
 
 # Which library multiplies fp32 prompt-sized products at full precision: "mkl" (`F.linear`) or
@@ -112,14 +132,27 @@ def _onednn_bf16() -> bool:
     return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
-def uses_bf16(precision: str) -> bool:
-    """Whether fp32 prompt-sized products take `bf16_linear` under `precision` (FP32_MATMUL_PRECISIONS):
-    "bf16" wherever oneDNN has a bf16 path, "auto" where the CPU has AMX-BF16 (`native_bf16`), "ieee" never."""
+def prefill_kernel(precision: str, rounded_result: bool = True) -> Callable | None:
+    """The kernel `(x, w, bias) -> y` for fp32 prompt-sized products under `precision`
+    (FP32_MATMUL_PRECISIONS), or None for fp32 (`F.linear` / oneDNN's fp32 GEMM): "ieee" never;
+    "auto" where the CPU multiplies bf16 natively (`native_bf16`); "bf16" wherever oneDNN has a bf16
+    path. AMX CPUs take `bf16_linear`; AVX512-BF16 ones `bf16_tensor_linear`, whose result is rounded
+    to bf16, only where `rounded_result` allows it (the engine's forward does; quantization's
+    Hessians and losses do not, and stay fp32 there under "auto", as under "bf16" on CPUs without
+    native bf16, where oneDNN's bf16 mode computes in fp32)."""
     if precision not in FP32_MATMUL_PRECISIONS:
         raise ValueError(f"unknown fp32 matmul precision {precision!r}; choose one of: {', '.join(FP32_MATMUL_PRECISIONS)}")
-    if precision == "bf16":
-        return _onednn_bf16()
-    return precision == "auto" and native_bf16()
+    if precision == "ieee" or not _onednn_bf16() or (precision == "auto" and not native_bf16()):
+        return None
+    way = bf16_way()
+    if way == "avx512_bf16" and rounded_result:
+        return bf16_tensor_linear
+    return bf16_linear if way != "avx512_bf16" or precision == "bf16" else None
+
+
+def uses_bf16(precision: str) -> bool:
+    """Whether the engine's fp32 prompt-sized products take bf16 under `precision` (`prefill_kernel`)."""
+    return prefill_kernel(precision) is not None
 
 
 # The bf16 math mode is a process-wide PyTorch setting, switched on only for the call; the lock keeps
@@ -129,8 +162,8 @@ _mode_lock = threading.Lock()
 
 
 def bf16_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear(x, w, bias)` for fp32 CPU tensors with bf16-rounded inputs, fp32 sums and result
-    (oneDNN: AMX tiles where the CPU has them; on AVX512-BF16 alone the results carry bf16 rounding)."""
+    """`F.linear(x, w, bias)` for fp32 CPU tensors in oneDNN's bf16 math mode: bf16-rounded inputs, fp32
+    sums and result on AMX tiles (without AMX oneDNN runs its fp32 kernel)."""
     matmul = torch.backends.mkldnn.matmul
     with _mode_lock:
         previous = matmul.fp32_precision
@@ -139,3 +172,10 @@ def bf16_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = No
             return F.linear(x, w, bias)
         finally:
             matmul.fp32_precision = previous
+
+
+def bf16_tensor_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(x, w, bias)` for fp32 CPU tensors through oneDNN's bf16 GEMM: x and w rounded to bf16 for
+    the call (no copy kept), fp32 sums, the product rounded to bf16 and widened, the bias added in fp32."""
+    out = F.linear(x.to(torch.bfloat16), w.to(torch.bfloat16)).float()
+    return out if bias is None else out.add_(bias)

@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from llmopt.errors import LlmoptError
 from llmopt.kernels import cpu_linear
 from llmopt.kernels.cpu_extension import cpu_ops
-from llmopt.kernels.cpu_linear import SKINNY_MAX_ROWS, _onednn_bf16, bf16_linear, skinny_linear_kernel, uses_bf16
+from llmopt.kernels.cpu_linear import (SKINNY_MAX_ROWS, _onednn_bf16, bf16_linear, bf16_tensor_linear, bf16_way,
+                                      prefill_kernel, skinny_linear_kernel, uses_bf16)
 from llmopt.model.backends import CpuBackend, ReferenceBackend
 from llmopt.kernels.paged_attention import PROMPT_MATH_MIN_QUERIES, attend, causal_mask
 from llmopt.model.linear import DenseLinear
@@ -175,7 +176,7 @@ def test_dense_linear_bf16_copy_serves_every_row_count():
 def test_auto_is_bf16_where_the_cpu_has_it_natively_and_the_isa_is_not_capped(fp32_matmul_auto_is_ieee, monkeypatch):
     native = fp32_matmul_auto_is_ieee  # the real check (the suite resolves auto to ieee)
     ops = cpu_ops()
-    assert native() == (cpu_linear._cpu_has_amx_bf16() and _onednn_bf16() and ops.cpu_isa() not in ("scalar", "avx2"))
+    assert native() == (bf16_way() != "emulated" and _onednn_bf16() and ops.cpu_isa() not in ("scalar", "avx2"))
     previous = ops.set_cpu_isa("avx2")
     try:
         assert not native()  # LLMOPT_CPU_ISA=avx2: every product on the fp32 paths
@@ -183,6 +184,55 @@ def test_auto_is_bf16_where_the_cpu_has_it_natively_and_the_isa_is_not_capped(fp
         ops.set_cpu_isa(previous)
     monkeypatch.setattr(cpu_linear, "native_bf16", native)
     assert uses_bf16("auto") == native()
+
+
+def test_bf16_way_follows_the_cpu_flags(monkeypatch):
+    for flags, way in (({"avx512_bf16", "amx_bf16"}, "amx"), ({"avx512f", "avx512_bf16"}, "avx512_bf16"),
+                       ({"avx2", "fma"}, "emulated")):
+        monkeypatch.setattr(cpu_linear, "_cpu_flags", lambda flags=flags: frozenset(flags))
+        assert bf16_way() == way
+        assert cpu_linear.bf16_prompt_attention() == (way == "amx")
+
+
+@pytest.mark.parametrize("way", ["amx", "avx512_bf16", "emulated"])
+def test_prefill_kernel_by_cpu_precision_and_rounding(way, monkeypatch):
+    """AMX: the math mode (fp32 results) for auto and bf16; AVX512-BF16: bf16 tensors where a rounded
+    result is allowed, else fp32 under auto (and the math mode, fp32 there, under an explicit bf16);
+    no native bf16: only an explicit bf16 takes the math mode."""
+    monkeypatch.setattr(cpu_linear, "bf16_way", lambda: way)
+    monkeypatch.setattr(cpu_linear, "native_bf16", lambda: way != "emulated")
+    monkeypatch.setattr(cpu_linear, "_onednn_bf16", lambda: True)
+    expected = {
+        "amx": {("auto", True): bf16_linear, ("auto", False): bf16_linear, ("bf16", True): bf16_linear,
+                ("bf16", False): bf16_linear},
+        "avx512_bf16": {("auto", True): bf16_tensor_linear, ("auto", False): None, ("bf16", True): bf16_tensor_linear,
+                        ("bf16", False): bf16_linear},
+        "emulated": {("auto", True): None, ("auto", False): None, ("bf16", True): bf16_linear, ("bf16", False): bf16_linear},
+    }[way]
+    for (precision, rounded), kernel_ in expected.items():
+        assert prefill_kernel(precision, rounded) is kernel_, (precision, rounded)
+        assert prefill_kernel("ieee", rounded) is None
+    monkeypatch.setattr(cpu_linear, "_onednn_bf16", lambda: False)
+    assert prefill_kernel("bf16") is None and prefill_kernel("auto") is None
+
+
+@needs_onednn_bf16
+@pytest.mark.parametrize("rows,n_in,n_out", [(97, 576, 960), (512, 1536, 576), (130, 37, 13)])
+def test_bf16_tensor_linear_is_the_rounded_product_of_bf16_rounded_inputs(rows, n_in, n_out):
+    """oneDNN's bf16 GEMM: within a bf16 rounding of the result (2^-8 relative, plus the sums' fp32 error)
+    of the float64 product of the rounded inputs, the bias added in fp32 after; and not the fp32 product."""
+    gen = torch.Generator().manual_seed(rows + n_in)
+    x = torch.randn(rows, n_in, generator=gen)
+    w = torch.randn(n_out, n_in, generator=gen) * n_in ** -0.5
+    b = torch.randn(n_out, generator=gen)
+    got = bf16_tensor_linear(x, w, b)
+    assert got.dtype == torch.float32 and got.shape == (rows, n_out)
+    assert torch.equal(got, F.linear(x.bfloat16(), w.bfloat16()).float() + b)
+    exact = _reference(x.bfloat16().float(), w.bfloat16().float(), None)
+    err = (got.double() - b.double() - exact).abs()
+    assert (err <= 2.0 ** -8 * exact.abs() + 1e-6 * exact.abs().max()).all()
+    assert torch.equal(bf16_tensor_linear(x, w), F.linear(x.bfloat16(), w.bfloat16()).float())
+    assert (got.double() - _reference(x, w, b)).abs().max().item() > 1e-4
 
 
 def test_fp32_matmul_precision_names():
@@ -210,7 +260,7 @@ def test_bf16_linear_is_the_product_of_bf16_rounded_inputs(rows, n_in, n_out):
     assert torch.backends.mkldnn.matmul.fp32_precision == before
     assert got.dtype == torch.float32 and got.shape == (rows, n_out)
     ref = _reference(x.bfloat16().float(), w.bfloat16().float(), b)
-    if cpu_linear._cpu_has_amx_bf16():
+    if bf16_way() == "amx":
         assert (got.double() - ref).abs().max().item() < 4e-7 * n_in ** 0.5 * ref.abs().max().item() + 1e-5
         # and it is not the fp32 product: the rounding of the inputs shows (without AMX, oneDNN keeps
         # small products such as 37 inputs on its fp32 kernels)
@@ -226,7 +276,8 @@ def test_dense_linear_takes_bf16_for_prompt_sized_rows_only():
     layer.weight.data = torch.randn(48, 64, generator=gen)
     layer.bias.data = torch.randn(48, generator=gen)
     layer.prepare(CpuBackend())
-    assert CpuBackend().fp32_prefill_linear("bf16") is bf16_linear
+    assert CpuBackend().fp32_prefill_linear("bf16") is prefill_kernel("bf16")
+    assert CpuBackend().fp32_prefill_linear("bf16", rounded_result=False) is prefill_kernel("bf16", False)
     assert CpuBackend().fp32_prefill_linear("ieee") is None and ReferenceBackend().fp32_prefill_linear("bf16") is None
     assert layer.use_prefill_kernel(bf16_linear)
     few = torch.randn(SKINNY_MAX_ROWS, 64, generator=gen)
@@ -252,8 +303,11 @@ def test_the_engine_flag_reaches_every_dense_layer(tiny_models):
     assert dense and all(m.prefill is None for m in dense)  # a model loaded outside an engine: fp32
     attention = [m for m in loaded.model.modules() if isinstance(m, Attention)]
     LLM(loaded, num_kv_blocks=16, fp32_matmul_precision="bf16")
-    assert all(m.prefill is bf16_linear for m in dense)
-    assert attention and all(m.prompt_math_dtype == torch.bfloat16 for m in attention)
+    # the vocabulary projection only takes a kernel whose result is not rounded to bf16
+    assert all(m.prefill is prefill_kernel("bf16") for m in dense if m is not loaded.model.lm_head)
+    assert loaded.model.lm_head.prefill is prefill_kernel("bf16", rounded_result=False) is not None
+    attention_dtype = torch.bfloat16 if cpu_linear.bf16_prompt_attention() else None
+    assert attention and all(m.prompt_math_dtype == attention_dtype for m in attention)
     LLM(loaded, num_kv_blocks=16, fp32_matmul_precision="ieee")
     assert all(m.prefill is None for m in dense)
     assert all(m.prompt_math_dtype is None for m in attention)

@@ -69,7 +69,9 @@ def _eval(*args: str) -> tuple[int, dict, str]:
 def served(files):
     from test_serve import start_server
 
-    proc, base = start_server(str(files["noisy"]), "--kv-cache-memory", "64MiB", "--max-model-len", "256")
+    # ieee as the in-process side (the suite pins auto to ieee; a server process would resolve it per CPU)
+    proc, base = start_server(str(files["noisy"]), "--kv-cache-memory", "64MiB", "--max-model-len", "256",
+                              "--fp32-matmul-precision", "ieee")
     yield base
     proc.terminate()
     proc.wait(timeout=20)

@@ -94,7 +94,7 @@ class QuantizeRequest:
         "auto", "What the calibration's large float32 products compute in (the forward's linears, AWQ's scale "
         "search, GPTQ's Hessian): ieee (float32); bf16 (bfloat16 inputs, float32 sums on AMX tiles, several "
         "times the float32 rate); auto: bf16 where the CPU has AMX-BF16, else ieee "
-        "(as the engine's flag).", choices=FP32_MATMUL_PRECISIONS)
+        "(CPUs with AVX512-BF16 alone round bf16 products' results, which calibration does not take).", choices=FP32_MATMUL_PRECISIONS)
     max_shard_size: str = option(DEFAULT_MAX_SHARD_SIZE, "Largest safetensors file (e.g. 5GB, 500MB): a larger "
                                  "checkpoint is split into shards with model.safetensors.index.json, as transformers does.")
 
@@ -309,7 +309,7 @@ def quantize(req: QuantizeRequest, on_layer: Callable[[int, int], None] | None =
 def _fp32_matmul(req: QuantizeRequest, dtype: torch.dtype, device: torch.device) -> str:
     """What the calibration's float32 products computed in: "bf16" or "ieee" (`--fp32-matmul-precision`
     resolved on this machine)."""
-    kernel = select_backend(device, dtype).fp32_prefill_linear(req.fp32_matmul_precision)
+    kernel = select_backend(device, dtype).fp32_prefill_linear(req.fp32_matmul_precision, rounded_result=False)
     return "ieee" if kernel is None else "bf16"
 
 

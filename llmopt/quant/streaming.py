@@ -120,8 +120,9 @@ def stream_quantize(reader: CheckpointReader, config: ModelConfig, input_ids: to
     # the kernel backend's ops run the calibration forward; a plain copy needs none (nor their build)
     backend = None if options is None else select_backend(device, dtype)
     ops = None if backend is None else backend.decoder_ops(dtype)
-    # float32 products of the calibration in the backend's bf16 math where --fp32-matmul-precision says so
-    matmul = None if backend is None else backend.fp32_prefill_linear(options.fp32_matmul_precision)
+    # float32 products of the calibration in the backend's bf16 math where --fp32-matmul-precision says so;
+    # never one whose result is rounded to bf16 (Hessians and scale-search losses sum thousands of them)
+    matmul = None if backend is None else backend.fp32_prefill_linear(options.fp32_matmul_precision, rounded_result=False)
     dense_dtype = torch.float32 if fmt == "gguf" else torch.float16
     calibrated = options is not None and options.calibrated
     x = _embeddings(reader, sink, input_ids if calibrated else None, dtype, device, dense_dtype)

@@ -31,10 +31,15 @@ class KernelBackend:
         `weight` itself) a `DenseLinear` holding `weight` runs on; (None, None): `F.linear`."""
         return None, None
 
-    def fp32_prefill_linear(self, precision: str) -> Callable | None:
+    def fp32_prefill_linear(self, precision: str, rounded_result: bool = True) -> Callable | None:
         """The kernel `(x, w, bias) -> y` fp32 `DenseLinear`s run prompt-sized products on under the engine's
-        `fp32_matmul_precision`, or None: their plain path (`F.linear`)."""
+        `fp32_matmul_precision`, or None: their plain path (`F.linear`). `rounded_result=False`: only a
+        kernel whose fp32 result is not rounded to a 16-bit type."""
         return None
+
+    def bf16_prompt_attention(self) -> bool:
+        """Whether attention over prompt chunks runs in bf16 where the prompt products do (where it pays)."""
+        return False
 
     def int4_linear(self, weight: QuantizedWeight | PackedQuantizedWeight, bias: torch.Tensor | None,
                     dtype: torch.dtype, device: torch.device | None = None) -> LinearBase | None:

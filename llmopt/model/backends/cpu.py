@@ -14,7 +14,7 @@ import torch
 from llmopt.core.fp8_weight import Fp8Weight
 from llmopt.core.quantized_weight import PackedQuantizedWeight, QuantizedWeight
 from llmopt.kernels.cpu_fused import fused_ops
-from llmopt.kernels.cpu_linear import bf16_linear, fp32_gemm, skinny_linear_kernel, uses_bf16
+from llmopt.kernels.cpu_linear import bf16_prompt_attention, fp32_gemm, prefill_kernel, skinny_linear_kernel
 from llmopt.kernels.cpu_paged_attention import KV_DTYPES as KERNEL_KV_DTYPES, decode_kernel
 from llmopt.model.backends.base import KernelBackend
 from llmopt.model.fp8_linear import cpu_fp8_linear
@@ -48,10 +48,14 @@ class CpuBackend(KernelBackend):
             return skinny, weight.detach().to_mkldnn()
         return skinny, weight.detach() if fp32_gemm() == "onednn" else None
 
-    def fp32_prefill_linear(self, precision: str):
-        """bf16 math (oneDNN on AMX-BF16 tiles) where `precision` asks for it on this CPU
-        (`llmopt.kernels.cpu_linear.uses_bf16`): several times fp32's rate at prompt sizes."""
-        return bf16_linear if uses_bf16(precision) else None
+    def fp32_prefill_linear(self, precision: str, rounded_result: bool = True):
+        """bf16 where `precision` asks for it on this CPU (`llmopt.kernels.cpu_linear.prefill_kernel`):
+        oneDNN on AMX-BF16 tiles (several times fp32's rate at prompt sizes), or on AVX512-BF16 (~1.7x,
+        its result rounded to bf16, so only where `rounded_result` allows)."""
+        return prefill_kernel(precision, rounded_result)
+
+    def bf16_prompt_attention(self) -> bool:
+        return bf16_prompt_attention()
 
     def int4_linear(self, weight: QuantizedWeight | PackedQuantizedWeight, bias: torch.Tensor | None,
                     dtype: torch.dtype, device: torch.device | None = None) -> LinearBase | None:
