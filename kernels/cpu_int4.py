@@ -4,8 +4,10 @@ AWQ and GPTQ checkpoints store 4-bit codes with a scale and zero point per group
 `repack_int4` (`repack_int4_rows`: a slab of output rows at a time) turns such codes, once at load,
 into the layout the kernel streams: output rows in tiles of 8 (padded with zero rows), each tile's
 32-column blocks as 128 bytes interleaved so one 32-byte load holds 4 codes of each of the 8 rows
-(low nibbles: columns 4c..4c+3, high nibbles: 16 + 4c..), and per group the 8 rows' float scales and
-scale * zero side by side (the kernel's header comment says why). Act-order (GPTQ `desc_act`)
+(low nibbles: columns 4c..4c+3, high nibbles: 16 + 4c..), and per group the 8 rows' scales and
+zero points side by side (the kernel's header comment says why): fp16 scales and uint8 zeros where
+the checkpoint's are such values (AWQ, GPTQ and Q4_0 store fp16 scales and integer zeros), else
+fp32 scales and fp32 scale * zero; the kernel gives bitwise the same results from either. Act-order (GPTQ `desc_act`)
 weights get their input columns sorted by group once here, and the kernel reads the activations
 through that permutation; per-channel weights are one group as wide as the row.
 
@@ -36,8 +38,8 @@ TILE = 8  # output rows interleaved together
 @dataclass
 class PackedInt4:
     codes: torch.Tensor  # uint8 [ceil(N / 8), K * 4]
-    scales: torch.Tensor  # fp32 [ceil(N / 8), K / group_size, 8]
-    scaled_zeros: torch.Tensor  # fp32 [ceil(N / 8), K / group_size, 8]: scale * zero
+    scales: torch.Tensor  # [ceil(N / 8), K / group_size, 8]: fp16 (compact), or fp32
+    zeros: torch.Tensor  # [ceil(N / 8), K / group_size, 8]: uint8 zero (compact), or fp32 scale * zero
     out_features: int
     group_size: int  # a multiple of 32
     perm: torch.Tensor | None  # int64 [K]: column k of the codes multiplies x[:, perm[k]]
@@ -45,6 +47,14 @@ class PackedInt4:
     @property
     def in_features(self) -> int:
         return self.codes.shape[1] // 4
+
+    @property
+    def compact(self) -> bool:
+        return self.scales.dtype == torch.float16
+
+    def scaled_zeros(self) -> torch.Tensor:
+        """fp32 scale * zero, [ceil(N / 8), K / group_size, 8] (exact from the compact layout too)."""
+        return self.scales.float() * self.zeros.float() if self.compact else self.zeros
 
 
 def _tiled(rows: torch.Tensor, n: int) -> torch.Tensor:
@@ -101,8 +111,18 @@ def repack_int4_rows(code_rows: Callable[[int, int], torch.Tensor], shape: tuple
         # [tile, row, block, half, chunk, byte] -> bytes ordered [tile, block, chunk, row, byte]
         c = c.reshape(last - first, TILE, k // BLOCK, 2, 4, 4)
         packed[first:last] = (c[:, :, :, 0] | (c[:, :, :, 1] << 4)).permute(0, 2, 3, 1, 4).reshape(-1, k * 4)
-    scales = scales.float()
-    return PackedInt4(packed, _tiled(scales, n), _tiled(scales * zeros.float(), n), n, group_size, perm)
+    scales, zeros = _scales_and_zeros(scales, zeros)
+    return PackedInt4(packed, _tiled(scales, n), _tiled(zeros, n), n, group_size, perm)
+
+
+def _scales_and_zeros(scales: torch.Tensor, zeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The compact pair (fp16 scales, uint8 zeros) where every scale is an fp16 value and every zero an
+    integer in 0..255, else (fp32 scales, fp32 scale * zero)."""
+    s32, z32 = scales.float(), zeros.float()
+    half = s32.to(torch.float16)
+    if torch.equal(half.float(), s32) and bool(((z32 >= 0) & (z32 <= 255) & (z32 == z32.round())).all()):
+        return half, z32.to(torch.uint8)
+    return s32, s32 * z32
 
 
 def _rows(tiled: torch.Tensor, n: int) -> torch.Tensor:
@@ -121,7 +141,7 @@ def unpack_codes(packed: PackedInt4) -> torch.Tensor:
 def _dequantized_packed_order(packed: PackedInt4, dtype: torch.dtype) -> torch.Tensor:
     w = unpack_codes(packed).to(dtype)
     n, k = w.shape
-    scales, zeros = _rows(packed.scales, n).to(dtype), _rows(packed.scaled_zeros, n).to(dtype)
+    scales, zeros = _rows(packed.scales.float(), n).to(dtype), _rows(packed.scaled_zeros(), n).to(dtype)
     return (w.reshape(n, k // packed.group_size, packed.group_size) * scales[..., None] - zeros[..., None]).reshape(n, k)
 
 
@@ -152,7 +172,7 @@ def reference_int4_linear(x: torch.Tensor, packed: PackedInt4, bias: torch.Tenso
 
 
 def int4_linear_kernel() -> Callable | None:
-    """`int4_linear(x [M, K] fp32, codes, scales, scaled_zeros, out_features, group_size, perm=None, bias=None)`,
+    """`int4_linear(x [M, K] fp32, codes, scales, zeros, out_features, group_size, perm=None, bias=None)`,
     or None where the CPU kernels cannot be built (then multiply by `dequantize`d weights)."""
     ops = cpu_ops()
     return None if ops is None else ops.int4_linear

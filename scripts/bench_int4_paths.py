@@ -48,7 +48,7 @@ def main() -> None:
             xs = {k: torch.randn(rows, k, generator=gen) for k in (576, 1536)}
 
             def layer() -> list[torch.Tensor]:
-                return [ops.int4_linear(xs[p.in_features], p.codes, p.scales, p.scaled_zeros, p.out_features,
+                return [ops.int4_linear(xs[p.in_features], p.codes, p.scales, p.zeros, p.out_features,
                                         p.group_size, p.perm, None) for p in packed.values()]
 
             best, outs = {path: float("inf") for path in paths}, {}

@@ -6,6 +6,8 @@ others; the paths it lacks skip with the reason."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -48,7 +50,7 @@ def checkpoint_weight(fmt: str, out_features: int, in_features: int, group_size:
 
 
 def run(x: torch.Tensor, packed, bias=None) -> torch.Tensor:
-    return kernel(x, packed.codes, packed.scales, packed.scaled_zeros, packed.out_features, packed.group_size, packed.perm,
+    return kernel(x, packed.codes, packed.scales, packed.zeros, packed.out_features, packed.group_size, packed.perm,
                   bias)
 
 
@@ -106,6 +108,28 @@ def test_bias_and_zero_rows(cpu_path):
     assert run(torch.empty(0, 128), packed).shape == (0, 64)
     x[1] = 0  # an all-zero block has scale 0: its codes are 0, not NaN
     assert torch.isfinite(run(x, packed)).all() and (run(x, packed)[1] == 0).all()
+
+
+def test_compact_and_fp32_scale_layouts_agree_bitwise(cpu_path):
+    """fp16 scales with uint8 zeros (what checkpoints hold) and fp32 scales with fp32 scale * zero give
+    bitwise the same outputs (s * zero is exact in fp32 either way); scales that are not fp16 values, or
+    zeros that are not bytes, keep the fp32 layout."""
+    q = checkpoint_weight("awq", 200, 576, 64, False, seed=21)
+    packed = repack_int4(q.codes, q.scales, q.zeros, q.g_idx)
+    assert packed.compact and packed.scales.dtype == torch.float16 and packed.zeros.dtype == torch.uint8
+    wide = replace(packed, scales=packed.scales.float(), zeros=packed.scaled_zeros())
+    assert not wide.compact and wide.zeros.dtype == torch.float32
+    x = torch.randn(97, 576, generator=torch.Generator().manual_seed(22))
+    for rows in (1, 3, 8, 16, 97):
+        assert torch.equal(run(x[:rows].contiguous(), packed), run(x[:rows].contiguous(), wide))
+    assert torch.equal(dequantize(packed), dequantize(wide))
+    off_grid = repack_int4(q.codes, q.scales.float() * (1 + 2 ** -14), q.zeros, q.g_idx)
+    fractional = repack_int4(q.codes, q.scales, q.zeros.float() + 0.5, q.g_idx)
+    for p in (off_grid, fractional):
+        assert not p.compact and p.scales.dtype == torch.float32 and p.zeros.dtype == torch.float32
+        assert (run(x[:5].contiguous(), p) - reference_int4_linear(x[:5], p)).abs().max() < 1e-4
+    with pytest.raises(RuntimeError, match="scales fp16 with zeros uint8"):
+        run(x[:1].contiguous(), replace(packed, zeros=packed.scaled_zeros()))
 
 
 def paths_here() -> list[str]:

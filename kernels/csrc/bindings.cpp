@@ -13,7 +13,7 @@ std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor residual,
 void rotary_embedding_(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor sin);
 torch::Tensor silu_and_mul(torch::Tensor x);
 bool int4_linear_simd();
-torch::Tensor int4_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor scaled_zeros,
+torch::Tensor int4_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor zeros,
                           int64_t out_features, int64_t group_size, c10::optional<torch::Tensor> perm,
                           c10::optional<torch::Tensor> bias);
 
@@ -39,7 +39,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up for x = [gate | up]");
   m.def("int4_linear_simd", &int4_linear_simd, "int4_linear built with AVX2 + FMA (else portable C++)");
   m.def("int4_linear", &int4_linear, release_gil(), "x @ dequant(W).T (+ bias): 4-bit W, int8-quantized x per 32 values",
-        pybind11::arg("x"), pybind11::arg("codes"), pybind11::arg("scales"), pybind11::arg("scaled_zeros"),
+        pybind11::arg("x"), pybind11::arg("codes"), pybind11::arg("scales"), pybind11::arg("zeros"),
         pybind11::arg("out_features"), pybind11::arg("group_size"), pybind11::arg("perm") = pybind11::none(), pybind11::arg("bias") = pybind11::none());
   m.def("int8_linear", &int8_linear, release_gil(), "x @ dequant(W).T: 8-bit W per 32 columns, int8-quantized x",
         pybind11::arg("x"), pybind11::arg("codes"), pybind11::arg("scales"), pybind11::arg("out_features"));

@@ -21,11 +21,11 @@ std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor residual,
 void rotary_rows_(float* xp, int64_t n, int64_t heads, int64_t D, int64_t s0, int64_t s1, const float* cp,
                   const float* sp);
 torch::Tensor silu_and_mul(torch::Tensor x);
-torch::Tensor int4_linear_next(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor scaled_zeros,
+torch::Tensor int4_linear_next(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor zeros,
                                int64_t out_features, int64_t group_size, c10::optional<torch::Tensor> perm,
                                c10::optional<torch::Tensor> bias, const std::vector<WeightRegion>& next);
 std::vector<WeightRegion> int4_weight_regions(const torch::Tensor& codes, const torch::Tensor& scales,
-                                              const torch::Tensor& scaled_zeros);
+                                              const torch::Tensor& zeros);
 torch::Tensor fp8_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, c10::optional<torch::Tensor> bias);
 
 namespace {
@@ -36,19 +36,19 @@ struct LinearSpec {
   enum Kind { kDense, kInt4, kFp8 };
   Kind kind = kDense;
   torch::Tensor weight;  // dense fp32 / bf16 [N, K]
-  torch::Tensor codes, scales, scaled_zeros;  // int4: int4_linear's; FP8: e4m3 codes [N, K] and fp32 scales [N]
+  torch::Tensor codes, scales, zeros;  // int4: int4_linear's; FP8: e4m3 codes [N, K] and fp32 scales [N]
   int64_t out_features = 0, group_size = 0;
   c10::optional<torch::Tensor> perm, bias;
 
   // the weights as prefetch regions (int4 only: the other kinds' kernels take no `next`)
   std::vector<WeightRegion> regions() const {
-    return kind == kInt4 ? int4_weight_regions(codes, scales, scaled_zeros) : std::vector<WeightRegion>{};
+    return kind == kInt4 ? int4_weight_regions(codes, scales, zeros) : std::vector<WeightRegion>{};
   }
 
   // `next`: the projection that runs after this one (int4 kernels prefetch each thread's share of it)
   torch::Tensor operator()(const torch::Tensor& x, const std::vector<WeightRegion>& next = {}) const {
     switch (kind) {
-      case kInt4: return int4_linear_next(x, codes, scales, scaled_zeros, out_features, group_size, perm, bias, next);
+      case kInt4: return int4_linear_next(x, codes, scales, zeros, out_features, group_size, perm, bias, next);
       case kFp8: return fp8_linear(x, codes, scales, bias);
       default: return skinny_linear(x, weight, bias);
     }
@@ -173,13 +173,13 @@ LinearSpec dense_spec(torch::Tensor weight, c10::optional<torch::Tensor> bias) {
   return s;
 }
 
-LinearSpec int4_spec(torch::Tensor codes, torch::Tensor scales, torch::Tensor scaled_zeros, int64_t out_features,
+LinearSpec int4_spec(torch::Tensor codes, torch::Tensor scales, torch::Tensor zeros, int64_t out_features,
                      int64_t group_size, c10::optional<torch::Tensor> perm, c10::optional<torch::Tensor> bias) {
   LinearSpec s;
   s.kind = LinearSpec::kInt4;
   s.codes = codes;
   s.scales = scales;
-  s.scaled_zeros = scaled_zeros;
+  s.zeros = zeros;
   s.out_features = out_features;
   s.group_size = group_size;
   s.perm = perm;
@@ -208,7 +208,7 @@ void register_decode_plan(pybind11::module& m) {
   m.def("dense_linear_spec", &dense_spec, "a projection with fp32 / bf16 weights (skinny_linear)",
         py::arg("weight"), py::arg("bias") = py::none());
   m.def("int4_linear_spec", &int4_spec, "a projection with int4 weights (int4_linear's arguments)",
-        py::arg("codes"), py::arg("scales"), py::arg("scaled_zeros"), py::arg("out_features"), py::arg("group_size"),
+        py::arg("codes"), py::arg("scales"), py::arg("zeros"), py::arg("out_features"), py::arg("group_size"),
         py::arg("perm") = py::none(), py::arg("bias") = py::none());
   m.def("fp8_linear_spec", &fp8_spec, "a projection with FP8 e4m3 weights (fp8_linear's arguments)",
         py::arg("codes"), py::arg("scales"), py::arg("bias") = py::none());

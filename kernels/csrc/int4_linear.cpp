@@ -13,9 +13,14 @@
 // each the 8 rows' codes for 4 consecutive columns, which meet a broadcast of the matching 4
 // activation bytes, so the 8 rows' dot products land in 8 lanes: no horizontal sums, and the
 // group scales of 8 rows are one vector. Groups are contiguous runs of `group_blocks` blocks
-// of 32 columns with a float scale s and s * zero per row: w = (code - zero) * s, so a
-// group's dot product is s * sum(code * x) - s * zero * sum(x), the second term from the
-// activations' block sums.
+// of 32 columns with a scale s and zero point per row: w = (code - zero) * s, so a group's dot
+// product is s * sum(code * x) - s * zero * sum(x), the second term from the activations' block
+// sums. The scales and zeros come in one of two layouts (`Int4Weights::compact`): fp16 scales and
+// uint8 zeros (3 bytes a group and row: what AWQ / GPTQ checkpoints and Q4_0 hold), or fp32 scales
+// and fp32 s * zero (8 bytes) for weights whose scales are not fp16 values. At batch 1 the weights'
+// bytes set the time, and the compact layout is 58 of the 66 MB a step of the default AWQ model
+// reads in its projections. Both give bitwise the same results: s * zero is formed in fp32 from
+// the fp16 scale (11 significant bits) and the zero (at most 8), which is exact.
 //
 // Three paths compute the integer block dot products, chosen at run time (csrc/isa.h):
 // - avx2: maddubs (u8 x s8 -> s16 pairs; the 8 results add up without overflow,
@@ -149,9 +154,24 @@ QuantizedRows quantize_rows(const float* x, int64_t M, int64_t K, int64_t group_
 
 struct Int4Weights {
   const uint8_t* codes;  // [N / 8, K / 32, 128]: tile, block, interleaved bytes
-  const float* scales;   // [N / 8, groups, 8]
-  const float* scaled_zeros;  // [N / 8, groups, 8]: scale * zero
+  const void* scales;    // [N / 8, groups, 8]: fp16 (compact) or fp32
+  const void* zeros;     // [N / 8, groups, 8]: uint8 zero (compact) or fp32 scale * zero
   int64_t K, groups, group_blocks;
+  bool compact;
+
+  int64_t scale_bytes() const { return compact ? 2 : 4; }
+  int64_t zero_bytes() const { return compact ? 1 : 4; }
+  const char* scale_ptr(int64_t i) const { return static_cast<const char*>(scales) + i * scale_bytes(); }
+  const char* zero_ptr(int64_t i) const { return static_cast<const char*>(zeros) + i * zero_bytes(); }
+  // entry i = (tile * groups + group) * 8 + row
+  float scale(int64_t i) const {
+    return compact ? static_cast<float>(c10::Half(static_cast<const uint16_t*>(scales)[i], c10::Half::from_bits()))
+                   : static_cast<const float*>(scales)[i];
+  }
+  float scaled_zero(int64_t i) const {
+    return compact ? scale(i) * static_cast<float>(static_cast<const uint8_t*>(zeros)[i])
+                   : static_cast<const float*>(zeros)[i];
+  }
 };
 
 struct Int8Weights {
@@ -172,7 +192,7 @@ inline void int4_tile_scalar(const Int4Weights& W, int64_t t, const QuantizedRow
       const int8_t* x = X.q.data() + (m0 + m) * K;
       float acc = 0.f, zacc = 0.f;
       for (int64_t g = 0; g < G; ++g) {
-        const float s = W.scales[(t * G + g) * kTile + r];
+        const float s = W.scale((t * G + g) * kTile + r);
         for (int64_t b = g * W.group_blocks; b < (g + 1) * W.group_blocks; ++b) {
           int32_t dot = 0;
           for (int c = 0; c < 4; ++c)
@@ -182,7 +202,7 @@ inline void int4_tile_scalar(const Int4Weights& W, int64_t t, const QuantizedRow
             }
           acc = std::fma(static_cast<float>(dot), s * X.d[(m0 + m) * nb + b], acc);
         }
-        zacc = std::fma(W.scaled_zeros[(t * G + g) * kTile + r], X.gsum[(m0 + m) * G + g], zacc);
+        zacc = std::fma(W.scaled_zero((t * G + g) * kTile + r), X.gsum[(m0 + m) * G + g], zacc);
       }
       out[m * ldo + r] = acc - zacc;
     }
@@ -210,6 +230,26 @@ inline void int8_tile_scalar(const Int8Weights& W, int64_t t, const QuantizedRow
 
 #if defined(__AVX2__) && defined(__FMA__)
 
+// the 8 rows' scales (entries i..i+7) and scale * zero
+inline __m256 scales8(const Int4Weights& W, int64_t i) {
+#ifdef __F16C__
+  if (W.compact) return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(W.scale_ptr(i))));
+#endif
+  if (W.compact) {
+    alignas(32) float v[kTile];
+    for (int r = 0; r < kTile; ++r) v[r] = W.scale(i + r);
+    return _mm256_load_ps(v);
+  }
+  return _mm256_loadu_ps(reinterpret_cast<const float*>(W.scale_ptr(i)));
+}
+
+inline __m256 scaled_zeros8(const Int4Weights& W, int64_t i, __m256 scales) {
+  if (W.compact)
+    return _mm256_mul_ps(scales, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+                                     _mm_loadl_epi64(reinterpret_cast<const __m128i*>(W.zero_ptr(i))))));
+  return _mm256_loadu_ps(reinterpret_cast<const float*>(W.zero_ptr(i)));
+}
+
 // the 8 output rows of tile `t` against MT rows of x (from m0); out has row stride ldo
 template <int MT>
 inline void int4_tile_avx2(const Int4Weights& W, int64_t t, const QuantizedRows& X, int64_t m0, float* out,
@@ -220,12 +260,11 @@ inline void int4_tile_avx2(const Int4Weights& W, int64_t t, const QuantizedRows&
   __m256 acc[MT], zacc[MT];
   for (int m = 0; m < MT; ++m) acc[m] = zacc[m] = _mm256_setzero_ps();
   const uint8_t* codes = W.codes + t * nb * 128;
-  const float* scales = W.scales + t * G * kTile;
-  const float* zeros = W.scaled_zeros + t * G * kTile;
   for (int64_t g = 0; g < G; ++g) {
-    const __m256 vs = _mm256_loadu_ps(scales + g * kTile);
-    prefetch_l2(reinterpret_cast<const char*>(scales + g * kTile) + kPrefetchAhead / 8);
-    prefetch_l2(reinterpret_cast<const char*>(zeros + g * kTile) + kPrefetchAhead / 8);
+    const int64_t i = (t * G + g) * kTile;
+    const __m256 vs = scales8(W, i);
+    prefetch_l2(W.scale_ptr(i) + kPrefetchAhead / 8);
+    prefetch_l2(W.zero_ptr(i) + kPrefetchAhead / 8);
     for (int64_t b = g * W.group_blocks; b < (g + 1) * W.group_blocks; ++b) {
       prefetch_span(codes + b * 128 + kPrefetchAhead, 128);
       __m256i w[8];  // w[j]: columns 4j..4j+3 of the block, 4 bytes per row
@@ -243,7 +282,7 @@ inline void int4_tile_avx2(const Int4Weights& W, int64_t t, const QuantizedRows&
         acc[m] = _mm256_fmadd_ps(dot, _mm256_mul_ps(vs, _mm256_set1_ps(X.d[(m0 + m) * nb + b])), acc[m]);
       }
     }
-    const __m256 vz = _mm256_loadu_ps(zeros + g * kTile);
+    const __m256 vz = scaled_zeros8(W, i, vs);
     for (int m = 0; m < MT; ++m) zacc[m] = _mm256_fmadd_ps(vz, _mm256_set1_ps(X.gsum[(m0 + m) * G + g]), zacc[m]);
   }
   for (int m = 0; m < MT; ++m) _mm256_storeu_ps(out + m * ldo, _mm256_sub_ps(acc[m], zacc[m]));
@@ -299,6 +338,24 @@ inline __m512 load_pair_ps(const float* a, const float* b) {
                                              _mm256_castps_pd(_mm256_loadu_ps(b)), 1));
 }
 
+// the scales of tiles t and t + 1 (entries i and j = i + groups * 8) in lanes 0-7 and 8-15, and scale * zero
+inline __m512 scales_pair(const Int4Weights& W, int64_t i, int64_t j) {
+  if (W.compact)
+    return _mm512_cvtph_ps(_mm256_inserti128_si256(
+        _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(W.scale_ptr(i)))),
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(W.scale_ptr(j))), 1));
+  return load_pair_ps(reinterpret_cast<const float*>(W.scale_ptr(i)), reinterpret_cast<const float*>(W.scale_ptr(j)));
+}
+
+inline __m512 scaled_zeros_pair(const Int4Weights& W, int64_t i, int64_t j, __m512 scales) {
+  if (W.compact) {
+    const __m128i z = _mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(W.zero_ptr(i))),
+                                         _mm_loadl_epi64(reinterpret_cast<const __m128i*>(W.zero_ptr(j))));
+    return _mm512_mul_ps(scales, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(z)));
+  }
+  return load_pair_ps(reinterpret_cast<const float*>(W.zero_ptr(i)), reinterpret_cast<const float*>(W.zero_ptr(j)));
+}
+
 // the 16 output rows of tiles t and t + 1 against MT rows of x (from m0): lanes 0-7 are tile
 // t's rows, 8-15 tile t + 1's, so one activation broadcast serves both tiles
 template <int MT>
@@ -310,12 +367,11 @@ inline void int4_pair_vnni(const Int4Weights& W, int64_t t, const QuantizedRows&
   for (int m = 0; m < MT; ++m) acc[m] = zacc[m] = _mm512_setzero_ps();
   const uint8_t* c0 = W.codes + t * nb * 128;
   const uint8_t* c1 = c0 + nb * 128;
-  const float* s0 = W.scales + t * G * kTile;
-  const float* z0 = W.scaled_zeros + t * G * kTile;
   for (int64_t g = 0; g < G; ++g) {
-    const __m512 vs = load_pair_ps(s0 + g * kTile, s0 + (G + g) * kTile);
-    prefetch_l2(reinterpret_cast<const char*>(s0 + g * kTile) + kPrefetchAhead / 8);
-    prefetch_l2(reinterpret_cast<const char*>(z0 + g * kTile) + kPrefetchAhead / 8);
+    const int64_t i = (t * G + g) * kTile, j = i + G * kTile;
+    const __m512 vs = scales_pair(W, i, j);
+    prefetch_l2(W.scale_ptr(i) + kPrefetchAhead / 8);
+    prefetch_l2(W.zero_ptr(i) + kPrefetchAhead / 8);
     for (int64_t b = g * W.group_blocks; b < (g + 1) * W.group_blocks; ++b) {
       // the pair's two tiles are adjacent in memory: the two streams together prefetch each line once
       prefetch_span(c0 + b * 128 + kPrefetchAhead, 128);
@@ -339,7 +395,7 @@ inline void int4_pair_vnni(const Int4Weights& W, int64_t t, const QuantizedRows&
         acc[m] = _mm512_fmadd_ps(dot, _mm512_mul_ps(vs, _mm512_set1_ps(X.d[(m0 + m) * nb + b])), acc[m]);
       }
     }
-    const __m512 vz = load_pair_ps(z0 + g * kTile, z0 + (G + g) * kTile);
+    const __m512 vz = scaled_zeros_pair(W, i, j, vs);
     for (int m = 0; m < MT; ++m) zacc[m] = _mm512_fmadd_ps(vz, _mm512_set1_ps(X.gsum[(m0 + m) * G + g]), zacc[m]);
   }
   for (int m = 0; m < MT; ++m) _mm512_storeu_ps(out + m * ldo, _mm512_sub_ps(acc[m], zacc[m]));
@@ -443,13 +499,12 @@ inline void int4_pair_amx(const Int4Weights& W, int64_t t, const int8_t* b_tiles
     _tile_dpbssd(0, 1, 2);
     _tile_stored(0, dots + b * 256, 64);
   }
-  const float* s0 = W.scales + t * G * kTile;
-  const float* z0 = W.scaled_zeros + t * G * kTile;
   alignas(64) float zacc[kAmxRows * 16] = {};
   __m512 acc[kAmxRows];
   for (int r = 0; r < kAmxRows; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
-    const __m512 vs = load_pair_ps(s0 + g * kTile, s0 + (G + g) * kTile);
+    const int64_t i = (t * G + g) * kTile, j = i + G * kTile;
+    const __m512 vs = scales_pair(W, i, j);
     for (b = g * W.group_blocks; b < (g + 1) * W.group_blocks; ++b) {
       const int32_t* c = dots + b * 256;
       const float* xd = X.d.data() + m0 * nb + b;
@@ -458,7 +513,7 @@ inline void int4_pair_amx(const Int4Weights& W, int64_t t, const int8_t* b_tiles
         acc[r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(vs, _mm512_set1_ps(xd[r * nb])), acc[r]);
       }
     }
-    const __m512 vz = load_pair_ps(z0 + g * kTile, z0 + (G + g) * kTile);
+    const __m512 vz = scaled_zeros_pair(W, i, j, vs);
     for (int r = 0; r < kAmxRows; ++r)
       _mm512_store_ps(zacc + r * 16, _mm512_fmadd_ps(vz, _mm512_set1_ps(X.gsum[(m0 + r) * G + g]),
                                                      _mm512_load_ps(zacc + r * 16)));
@@ -504,11 +559,10 @@ inline void int8_tile_rows(int isa, const Int8Weights& W, int64_t t, const Quant
 // even); an odd last tile goes through AVX2, whose results are bitwise the same.
 void int4_tiles(int isa, const Int4Weights& W, int64_t t0, int64_t t1, const QuantizedRows& X, int64_t M, float* out,
                 int64_t ldo) {
-  const int64_t tile_bytes = W.K / kBlock * 128, scale_bytes = W.groups * kTile * 4;
+  const int64_t tile_bytes = W.K / kBlock * 128, tile_entries = W.groups * kTile;
   prefetch_span(W.codes + t0 * tile_bytes, std::min(kPrefetchAhead, (t1 - t0) * tile_bytes));
-  prefetch_span(reinterpret_cast<const char*>(W.scales) + t0 * scale_bytes, std::min(kPrefetchAhead / 8, (t1 - t0) * scale_bytes));
-  prefetch_span(reinterpret_cast<const char*>(W.scaled_zeros) + t0 * scale_bytes,
-                std::min(kPrefetchAhead / 8, (t1 - t0) * scale_bytes));
+  prefetch_span(W.scale_ptr(t0 * tile_entries), std::min(kPrefetchAhead / 8, (t1 - t0) * tile_entries * W.scale_bytes()));
+  prefetch_span(W.zero_ptr(t0 * tile_entries), std::min(kPrefetchAhead / 8, (t1 - t0) * tile_entries * W.zero_bytes()));
   int64_t t = t0;
 #if LLMOPT_COMPILED_AMX
   if (isa >= kAmx && M >= kAmxMinRows && t + 2 <= t1) {
@@ -561,15 +615,15 @@ static void prefetch_share(const std::vector<WeightRegion>& next, int64_t begin,
 }
 
 std::vector<WeightRegion> int4_weight_regions(const torch::Tensor& codes, const torch::Tensor& scales,
-                                              const torch::Tensor& scaled_zeros) {
+                                              const torch::Tensor& zeros) {
   const auto region = [](const torch::Tensor& t, int64_t max_bytes) {
     return WeightRegion{static_cast<const char*>(t.data_ptr()), t.numel() * static_cast<int64_t>(t.element_size()),
                         max_bytes};
   };
-  return {region(codes, kNextPrefetch), region(scales, kNextPrefetch / 8), region(scaled_zeros, kNextPrefetch / 8)};
+  return {region(codes, kNextPrefetch), region(scales, kNextPrefetch / 8), region(zeros, kNextPrefetch / 8)};
 }
 
-torch::Tensor int4_linear_next(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor scaled_zeros,
+torch::Tensor int4_linear_next(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor zeros,
                                int64_t out_features, int64_t group_size, c10::optional<torch::Tensor> perm,
                                c10::optional<torch::Tensor> bias, const std::vector<WeightRegion>& next) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(), "int4_linear: x fp32 [M, K] contiguous");
@@ -581,10 +635,13 @@ torch::Tensor int4_linear_next(torch::Tensor x, torch::Tensor codes, torch::Tens
   TORCH_CHECK(N > (tiles - 1) * kTile && N <= tiles * kTile, "int4_linear: out_features does not match the codes");
   TORCH_CHECK(group_size % kBlock == 0 && K % group_size == 0, "int4_linear: group size must be a multiple of 32 dividing K");
   const int64_t groups = K / group_size;
-  TORCH_CHECK(scales.dtype() == torch::kFloat32 && scaled_zeros.dtype() == torch::kFloat32 && scales.is_contiguous() &&
-                  scaled_zeros.is_contiguous() && scales.numel() == tiles * kTile * groups &&
-                  scaled_zeros.numel() == tiles * kTile * groups,
-              "int4_linear: scales and scaled zeros fp32 [N / 8, K / group_size, 8]");
+  const bool compact = scales.dtype() == torch::kFloat16;
+  TORCH_CHECK((compact && zeros.dtype() == torch::kUInt8) ||
+                  (scales.dtype() == torch::kFloat32 && zeros.dtype() == torch::kFloat32),
+              "int4_linear: scales fp16 with zeros uint8, or scales fp32 with scale * zero fp32");
+  TORCH_CHECK(scales.is_contiguous() && zeros.is_contiguous() && scales.numel() == tiles * kTile * groups &&
+                  zeros.numel() == tiles * kTile * groups,
+              "int4_linear: scales and zeros [N / 8, K / group_size, 8] contiguous");
   const int64_t* perm_ptr = nullptr;
   if (perm.has_value()) {
     TORCH_CHECK(perm->dtype() == torch::kInt64 && perm->numel() == K && perm->is_contiguous(), "int4_linear: perm int64 [K]");
@@ -597,8 +654,8 @@ torch::Tensor int4_linear_next(torch::Tensor x, torch::Tensor codes, torch::Tens
     const bool amx = isa >= kAmx && M >= kAmxMinRows;
     const int64_t rows = amx ? (M + kAmxRows - 1) / kAmxRows * kAmxRows : M;
     const QuantizedRows X = quantize_rows(x.data_ptr<float>(), M, K, group_size / kBlock, perm_ptr, rows, isa);
-    const Int4Weights W{codes.data_ptr<uint8_t>(), scales.data_ptr<float>(), scaled_zeros.data_ptr<float>(), K, groups,
-                        group_size / kBlock};
+    const Int4Weights W{codes.data_ptr<uint8_t>(), scales.data_ptr(), zeros.data_ptr(), K, groups, group_size / kBlock,
+                        compact};
     float* op = padded.data_ptr<float>();
     const int64_t ldo = tiles * kTile;
     // work in pairs of tiles (the wide paths' unit)
@@ -613,10 +670,10 @@ torch::Tensor int4_linear_next(torch::Tensor x, torch::Tensor codes, torch::Tens
   return out;
 }
 
-torch::Tensor int4_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor scaled_zeros,
+torch::Tensor int4_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor zeros,
                           int64_t out_features, int64_t group_size, c10::optional<torch::Tensor> perm,
                           c10::optional<torch::Tensor> bias) {
-  return int4_linear_next(x, codes, scales, scaled_zeros, out_features, group_size, perm, bias, {});
+  return int4_linear_next(x, codes, scales, zeros, out_features, group_size, perm, bias, {});
 }
 
 // y = x @ (codes * scale).T: symmetric 8-bit weights, one scale per row and 32 columns (Q8_0);

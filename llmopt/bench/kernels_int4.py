@@ -138,7 +138,7 @@ def bench_int4_cpu(timer: CallTimer, rows: list[int], copy_gb_s: float) -> list[
     for name, (n_in, n_out) in DEFAULT_MODEL_SHAPES.items():
         p4 = repack_int4(*random_int4(n_in, n_out, CPU_GROUP_SIZE, device))
         w = dequantize(p4).contiguous()
-        p4_bytes = sum(t.numel() * t.element_size() for t in (p4.codes, p4.scales, p4.scaled_zeros))
+        p4_bytes = sum(t.numel() * t.element_size() for t in (p4.codes, p4.scales, p4.zeros))
         vocabulary = name == "lm_head"
         p8 = repack_int8(w) if vocabulary else None
         w_bf16 = w.to(torch.bfloat16) if vocabulary else None
@@ -159,7 +159,7 @@ def bench_int4_cpu(timer: CallTimer, rows: list[int], copy_gb_s: float) -> list[
                 problem.append(KernelRun(kernel=KERNEL, backend="int4 (C++)", skipped=not_built, **own))
             else:
                 problem.append(_measure(
-                    timer, lambda: int4(x, p4.codes, p4.scales, p4.scaled_zeros, p4.out_features, p4.group_size),
+                    timer, lambda: int4(x, p4.codes, p4.scales, p4.zeros, p4.out_features, p4.group_size),
                     reference_int4_linear(x, p4), backend="int4 (C++)", bytes_read=p4_bytes, **own))
             if vocabulary and int8 is not None and p8 is not None:
                 problem.append(_measure(timer, lambda: int8(x, p8.codes, p8.scales, n_out),

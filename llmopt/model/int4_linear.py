@@ -109,7 +109,7 @@ class CpuInt4Linear(LinearBase):
         self.group_size = packed.group_size
         self.register_buffer("codes", packed.codes)
         self.register_buffer("scales", packed.scales)
-        self.register_buffer("scaled_zeros", packed.scaled_zeros)
+        self.register_buffer("zeros", packed.zeros)
         self.register_buffer("perm", packed.perm)
         self.bias = None if bias is None else torch.nn.Parameter(bias.float().contiguous(), requires_grad=False)
         self.kernel = kernel
@@ -118,7 +118,7 @@ class CpuInt4Linear(LinearBase):
         flat = x.reshape(-1, self.in_features)
         if flat.dtype is not torch.float32 or not flat.is_contiguous():
             flat = flat.float().contiguous()
-        y = self.kernel(flat, self.codes, self.scales, self.scaled_zeros, self.out_features, self.group_size, self.perm,
+        y = self.kernel(flat, self.codes, self.scales, self.zeros, self.out_features, self.group_size, self.perm,
                         self.bias)
         return y.view(*x.shape[:-1], self.out_features)
 

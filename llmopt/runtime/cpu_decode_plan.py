@@ -29,7 +29,7 @@ def _linear_spec(ops: Any, layer: torch.nn.Module) -> Any | None:
     """The projection as the plan runs it, or None where the module path would not use the
     skinny / int4 / FP8 kernels for a decode batch (then no plan)."""
     if isinstance(layer, CpuInt4Linear):
-        return ops.int4_linear_spec(layer.codes, layer.scales, layer.scaled_zeros, layer.out_features,
+        return ops.int4_linear_spec(layer.codes, layer.scales, layer.zeros, layer.out_features,
                                     layer.group_size, layer.perm, layer.bias)
     if isinstance(layer, Fp8Linear):
         if layer.kernel is None or layer.codes.device.type != "cpu":
