@@ -84,10 +84,6 @@ def _cpu_flags() -> frozenset[str]:
     return frozenset(next((line for line in info.splitlines() if line.startswith("flags")), "").split())
 
 
-def _cpu_has_amx_bf16() -> bool:
-    return "amx_bf16" in _cpu_flags()
-
-
 # Which library multiplies fp32 prompt-sized products at full precision: "mkl" (`F.linear`) or
 # "onednn" (`torch.ops.mkldnn._linear_pointwise` on the plain weight, no copy); LLMOPT_CPU_GEMM
 # forces one (tests run both). Measured side by side, 2 threads, the default model's projections at
