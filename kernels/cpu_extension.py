@@ -41,7 +41,8 @@ log = logging.getLogger("llmopt.kernels")
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / name for name in ("bindings.cpp", "paged_decode.cpp", "skinny_linear.cpp", "fused_ops.cpp",
-                                     "int4_linear.cpp", "decode_plan.cpp", "fp8_linear.cpp", "fake_quant.cpp")]
+                                     "int4_linear.cpp", "decode_plan.cpp", "fp8_linear.cpp", "fake_quant.cpp",
+                                     "prefill_attention.cpp")]
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 
 

@@ -34,4 +34,4 @@ def test_equal_length_windows_attend_causally(window):
     for i in range(b):
         rows = slice(i * t, (i + 1) * t)
         expected = attend(q[rows], k[rows], v[rows], prefill_mask(t, 0, window, q.device))
-        torch.testing.assert_close(got[rows], expected, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(got[rows], expected, rtol=1e-5, atol=1e-5)  # the C++ kernel where it is built

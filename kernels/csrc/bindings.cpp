@@ -5,6 +5,8 @@
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                            torch::Tensor block_tables, torch::Tensor context_lens,
                            int64_t block_size, double scale, int64_t sliding_window);
+torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor segments,
+                                double scale, int64_t sliding_window);
 bool skinny_linear_available();
 torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);
 bool fused_ops_available();
@@ -29,6 +31,8 @@ torch::Tensor fake_quant_error(torch::Tensor w, torch::Tensor col_scale, torch::
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using release_gil = pybind11::call_guard<pybind11::gil_scoped_release>;
   m.def("paged_decode", &paged_decode, release_gil(), "paged decode attention: fp32 q and output, fp32/bf16/fp16 K/V");
+  m.def("prefill_attention", &prefill_attention, release_gil(),
+        "prompt attention of packed sequences, each after an optional run of visible context keys: fp32");
   m.def("skinny_linear_available", &skinny_linear_available, "built with AVX2 + FMA");
   m.def("skinny_linear", &skinny_linear, release_gil(), "x @ w.T (+ bias) for few rows of x",
         pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("bias") = pybind11::none());

@@ -15,6 +15,7 @@ from abc import ABC, abstractmethod
 import torch
 import torch.nn.functional as F
 
+from llmopt.kernels import cpu_prefill_attention
 from llmopt.kernels.paged_attention import PROMPT_MATH_MIN_QUERIES, attend, causal_mask, sdpa_math
 
 
@@ -86,7 +87,8 @@ class ContiguousKVCache(AttentionBackend):
 class EqualLengthAttention(AttentionBackend):
     """Causal attention over `num_seqs` whole sequences of equal length packed flat, no cache.
 
-    For passes over fixed windows of text (calibration, perplexity): one batched SDPA call.
+    For passes over fixed windows of text (calibration, perplexity): one call, of the C++ prompt attention
+    kernel for fp32 on CPU (`kernels/cpu_prefill_attention.py`), else of batched SDPA.
     """
 
     def __init__(self, num_seqs: int, seq_len: int):
@@ -94,6 +96,11 @@ class EqualLengthAttention(AttentionBackend):
 
     def forward(self, layer_idx, q, k, v, sliding_window, math_dtype=None):
         b, t = self.num_seqs, self.seq_len
+        if (math_dtype is None or t < PROMPT_MATH_MIN_QUERIES) and cpu_prefill_attention.supports(q):
+            kernel = cpu_prefill_attention.prefill_attention_kernel()  # fp32 on CPU: the C++ kernel, all in one call
+            if kernel is not None:
+                return kernel(q, k, v, cpu_prefill_attention.equal_length_segments(b, t), q.shape[-1] ** -0.5,
+                              sliding_window or 0)
         shape = lambda a: a.reshape(b, t, a.shape[1], a.shape[2]).transpose(1, 2)  # noqa: E731
         mask, is_causal = causal_mask(t, 0, sliding_window, q.device)
         mq, mk, mv = sdpa_math(q, k, v, math_dtype if t >= PROMPT_MATH_MIN_QUERIES else None)

@@ -13,7 +13,9 @@ from typing import Callable
 
 import torch
 
-from llmopt.kernels.paged_attention import decode_mask, paged_decode_attention, paged_prefill_attention, write_kv
+from llmopt.kernels import cpu_prefill_attention
+from llmopt.kernels.paged_attention import (decode_mask, paged_decode_attention, paged_prefill_attention, select_rows,
+                                          write_kv)
 from llmopt.model.attention import AttentionBackend
 
 
@@ -49,7 +51,8 @@ class PagedAttention(AttentionBackend):
 
     `cpu_decode`: the C++ decode kernel (`llmopt.kernels.cpu_paged_attention`, handed in by the
     CPU backend for fp32 queries) that reads K/V from the pools without a gather; None: the
-    PyTorch decode.
+    PyTorch decode. `cpu_prefill`: the C++ prompt attention kernel (`llmopt.kernels.cpu_prefill_attention`,
+    also for fp32 queries) for prompt chunks whose SDPA would run in fp32; None: SDPA.
     """
 
     block_table_dtype = torch.int64  # of block tables and context lengths: what the C++ decode kernel reads
@@ -57,11 +60,13 @@ class PagedAttention(AttentionBackend):
     # whether a decode step's launches depend on nothing but its tensors (CUDA graphs may replay them)
     supports_cuda_graphs = False
 
-    def __init__(self, k_caches: torch.Tensor, v_caches: torch.Tensor, cpu_decode: Callable | None = None):
+    def __init__(self, k_caches: torch.Tensor, v_caches: torch.Tensor, cpu_decode: Callable | None = None,
+                 cpu_prefill: Callable | None = None):
         self.k_caches = k_caches  # [layers, slots, kv_heads, head_dim]
         self.v_caches = v_caches
         self.metadata: StepMetadata | None = None
         self.cpu_decode = cpu_decode
+        self.cpu_prefill = cpu_prefill
 
     def _decode(self, q, k_cache, v_cache, md: StepMetadata, sliding_window: int | None) -> torch.Tensor:
         if self.cpu_decode is not None:
@@ -80,8 +85,14 @@ class PagedAttention(AttentionBackend):
         if n:
             out[:n] = self._decode(q[:n], k_cache, v_cache, md, sliding_window)
         for start, end, slots, context_len in md.prefills:
-            out[start:end] = paged_prefill_attention(q[start:end], k_cache, v_cache, slots, context_len, sliding_window,
-                                                     math_dtype)
+            if self.cpu_prefill is not None and math_dtype is None:
+                keys, values = select_rows(k_cache, slots).float(), select_rows(v_cache, slots).float()
+                segment = cpu_prefill_attention.chunk_segments(end - start, context_len)
+                out[start:end] = self.cpu_prefill(q[start:end], keys, values, segment, q.shape[-1] ** -0.5,
+                                                  sliding_window or 0)
+            else:
+                out[start:end] = paged_prefill_attention(q[start:end], k_cache, v_cache, slots, context_len,
+                                                         sliding_window, math_dtype)
         return out
 
 

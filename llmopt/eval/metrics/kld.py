@@ -76,13 +76,16 @@ def dense_lm_head(model) -> torch.Tensor:
 
 
 def kld_logprobs(hidden: torch.Tensor, lm_head: torch.Tensor) -> torch.Tensor:
-    """float32 log-softmax rows rebuilt from float16-rounded hidden states and projection."""
+    """float32 log-softmax rows rebuilt from float16-rounded hidden states and projection (`lm_head` as stored, or
+    already widened to float32: the same values)."""
     return torch.log_softmax(hidden.to(STORE_DTYPE).float() @ lm_head.float().t(), dim=-1)
 
 
 def _kld_terms(p_log: torch.Tensor, q_log: torch.Tensor) -> torch.Tensor:
-    """Row sums of p (log p - log q) over the entries with log p > -16 (llama.cpp's cut-off)."""
-    return torch.where(p_log > LOG_P_FLOOR, p_log.exp() * (p_log - q_log), torch.zeros_like(p_log)).sum(dim=1)
+    """Row sums (float64) of p (log p - log q) over the entries with log p > -16 (llama.cpp's cut-off); the terms
+    in the inputs' dtype (float32 rows: each term within a few ulps, the sums over a vocabulary in float64)."""
+    terms = p_log.exp().mul_(p_log - q_log)
+    return terms.masked_fill_(p_log <= LOG_P_FLOOR, 0).sum(dim=1, dtype=torch.float64)
 
 
 def _delta_p(nll_base: torch.Tensor, nll_cand: torch.Tensor) -> torch.Tensor:
@@ -92,7 +95,7 @@ def _delta_p(nll_base: torch.Tensor, nll_cand: torch.Tensor) -> torch.Tensor:
 def position_stats(base_logprobs: torch.Tensor, cand_logprobs: torch.Tensor, nll_base: torch.Tensor,
                    nll_cand: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per row, as llama.cpp: KLD(base || cand) over tokens with log p_base > -16, same top (0/1), Δp at the observed token."""
-    kld = _kld_terms(base_logprobs.double(), cand_logprobs.double())
+    kld = _kld_terms(base_logprobs, cand_logprobs)
     same = (cand_logprobs.argmax(dim=1) == base_logprobs.argmax(dim=1)).to(torch.int32)
     return kld, same, _delta_p(nll_base, nll_cand)
 

@@ -62,7 +62,8 @@ def score_text(
     if base is not None and base.store.vocab_size != vocab:
         raise LlmoptError(f"cannot compare token distributions: the baseline's vocabulary has {base.store.vocab_size} "
                           f"tokens, the candidate's {vocab}")
-    base_head = torch.from_numpy(np.array(base.store.lm_head)).to(device) if base is not None else None
+    base_head = torch.from_numpy(np.array(base.store.lm_head)).to(device).float() if base is not None else None
+    own_head_wide = own_head.float() if store else None  # widened once, not per block of rows
     nlls, hiddens, errors, klds, sames, deltas = [], [], [], [], [], []
     pos = 0
     for targets, hidden in chunk_hidden(model, ids.to(device), chunks, bos_id, BATCH_CHUNKS):
@@ -75,7 +76,7 @@ def score_text(
             nlls.append(nll.cpu())
             if store:
                 hiddens.append(h.to(STORE_DTYPE).cpu())
-                error, _, _ = position_stats(kld_logprobs(h, own_head), lp, nll, nll)  # as a candidate will compare
+                error, _, _ = position_stats(kld_logprobs(h, own_head_wide), lp, nll, nll)  # as a candidate will compare
                 errors.append(error.cpu())
             if base is not None:
                 b_hidden = torch.from_numpy(np.array(base.store.hidden[pos:pos + n])).to(device)

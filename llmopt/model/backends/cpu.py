@@ -16,6 +16,7 @@ from llmopt.core.quantized_weight import PackedQuantizedWeight, QuantizedWeight
 from llmopt.kernels.cpu_fused import fused_ops
 from llmopt.kernels.cpu_linear import bf16_prompt_attention, fp32_gemm, prefill_kernel, skinny_linear_kernel
 from llmopt.kernels.cpu_paged_attention import KV_DTYPES as KERNEL_KV_DTYPES, decode_kernel
+from llmopt.kernels.cpu_prefill_attention import HEAD_DIM_MULTIPLE as PREFILL_HEAD_DIM_MULTIPLE, prefill_attention_kernel
 from llmopt.model.backends.base import KernelBackend
 from llmopt.model.fp8_linear import cpu_fp8_linear
 from llmopt.model.int4_linear import cpu_int4_linear, int4_linear
@@ -70,7 +71,10 @@ class CpuBackend(KernelBackend):
         # fp32 queries over an fp32/bf16/fp16 pool: decode through the C++ kernel (reads K/V
         # from the pool, no gather, 16-bit rows widened in registers)
         use_kernel = query_dtype == torch.float32 and k_caches.dtype in KERNEL_KV_DTYPES
-        return PagedAttention(k_caches, v_caches, cpu_decode=decode_kernel() if use_kernel else None)
+        # and prompt chunks through the C++ prompt attention kernel (K/V gathered and widened to fp32)
+        use_prefill_kernel = use_kernel and k_caches.shape[-1] % PREFILL_HEAD_DIM_MULTIPLE == 0
+        return PagedAttention(k_caches, v_caches, cpu_decode=decode_kernel() if use_kernel else None,
+                              cpu_prefill=prefill_attention_kernel() if use_prefill_kernel else None)
 
     def compact_vocab_projection(self, dtype: torch.dtype) -> str | None:
         # with 4-bit projections the fp32 vocabulary projection (often the tied embeddings)

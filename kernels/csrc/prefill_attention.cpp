@@ -1,0 +1,229 @@
+// Prompt attention on CPU for several sequences in one call: fp32 q, K and V as a model layer
+// gives them, each sequence's queries against an optional run of context keys (all visible:
+// a shared prefix, or a chunk's cached positions) and then its own keys, causally.
+//
+// Work item: (sequence, kv head, block of kQueryBlock query positions). Its kQueryBlock x G query
+// vectors (the G heads sharing the kv head) against the keys the block can see: the keys are
+// copied once per item (K transposed, so a vector of scores is FMAs over contiguous lanes; V as
+// rows), scores = Q K^T in register tiles, masked, softmax per row, out = P V in register tiles.
+// Two passes over a row of scores (not flash's running rescale): prompt rows are short enough
+// that a row of scores fits in cache. The loops are written for the compiler's vectoriser
+// (-march=native: AVX-512 or AVX2 lanes); the softmax's exp is vectorised with AVX2 where built
+// with it. The PyTorch path (kernels/paged_attention.attend) is the reference.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include "vec_math.h"
+#endif
+
+namespace {
+
+constexpr int64_t kQueryBlock = 16;  // query positions per register-tiled block
+constexpr int64_t kQueryRun = 256;   // query positions per work item (its keys copied once)
+constexpr int64_t kLane = 16;        // floats per vector
+constexpr int64_t kScoreRows = 6, kScoreVecs = 2;  // scores register tile: 6 query vectors x 32 keys
+constexpr int64_t kOutRows = 4;                    // output register tile: 4 query vectors x (4 or 1) x 16 dims
+
+// 16 floats as one value (GCC/Clang vector extension: AVX-512, two AVX2 registers, or whatever the target has)
+typedef float vec16 __attribute__((vector_size(64)));
+typedef float vec16u __attribute__((vector_size(64), aligned(4)));
+inline vec16 load16(const float* p) { return *reinterpret_cast<const vec16u*>(p); }
+inline void store16(float* p, vec16 v) { *reinterpret_cast<vec16u*>(p) = v; }
+
+struct Segment {
+  int64_t q_start, q_len, ctx_start, ctx_len, own_start;
+};
+
+// s[0..n) = exp(s - m) in place; returns the sum
+inline float exp_shifted(float* s, int64_t n, float m) {
+  float sum = 0.f;
+  int64_t i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  const __m256 vm = _mm256_set1_ps(m);
+  __m256 acc = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + i), vm));
+    _mm256_storeu_ps(s + i, e);
+    acc = _mm256_add_ps(acc, e);
+  }
+  sum = hsum8(acc);
+#endif
+  for (; i < n; ++i) {
+    s[i] = std::exp(s[i] - m);
+    sum += s[i];
+  }
+  return sum;
+}
+
+// out rows r0.. (kOutRows of them) = p V over keys 0..hi, NB vectors of 16 dims from d0
+template <int NB>
+inline void values_tile(const float* scores, int64_t ldk, const float* vb, int64_t D, int64_t hi, int64_t d0,
+                        vec16 (&acc)[kOutRows][NB]) {
+  for (int64_t r = 0; r < kOutRows; ++r)
+    for (int b = 0; b < NB; ++b) acc[r][b] = vec16{};
+  for (int64_t j = 0; j <= hi; ++j) {
+    vec16 vj[NB];
+    for (int b = 0; b < NB; ++b) vj[b] = load16(vb + j * D + d0 + b * kLane);
+    for (int64_t r = 0; r < kOutRows; ++r) {
+      const float p = scores[r * ldk + j];
+      for (int b = 0; b < NB; ++b) acc[r][b] += p * vj[b];
+    }
+  }
+}
+
+// One block of queries: `qv` [Mp, D] (scaled; rows from M on zero) against keys 0..ldk-1 of `kt` [D, ldkt]
+// (transposed; ldk <= ldkt a multiple of kScoreVecs * kLane, zero past the keys), values `vb` [keys, D]; `first_visible[r]`/`last_visible[r]`: the key range query
+// vector r may see (inclusive). `scores` [Mp, ldk], `out` [M, D].
+void attend_item(const float* qv, int64_t M, int64_t Mp, int64_t D, const float* kt, int64_t ldkt, int64_t ldk,
+                 const float* vb, const int64_t* first_visible, const int64_t* last_visible, float* scores, float* out) {
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  // scores[r, j] = q_r . k_j
+  for (int64_t r0 = 0; r0 < Mp; r0 += kScoreRows)
+    for (int64_t j0 = 0; j0 < ldk; j0 += kScoreVecs * kLane) {
+      vec16 acc[kScoreRows][kScoreVecs] = {};
+      for (int64_t d = 0; d < D; ++d) {
+        vec16 kd[kScoreVecs];
+        for (int64_t b = 0; b < kScoreVecs; ++b) kd[b] = load16(kt + d * ldkt + j0 + b * kLane);
+        for (int64_t r = 0; r < kScoreRows; ++r) {
+          const float qd = qv[(r0 + r) * D + d];
+          for (int64_t b = 0; b < kScoreVecs; ++b) acc[r][b] += qd * kd[b];
+        }
+      }
+      for (int64_t r = 0; r < kScoreRows; ++r)
+        for (int64_t b = 0; b < kScoreVecs; ++b) store16(scores + (r0 + r) * ldk + j0 + b * kLane, acc[r][b]);
+    }
+  // softmax over each row's visible keys; the rest (and the padding rows) weigh 0
+  std::vector<float> inv_sums(Mp, 0.f);
+  for (int64_t r = 0; r < Mp; ++r) {
+    float* s = scores + r * ldk;
+    if (r >= M) {
+      std::fill(s, s + ldk, 0.f);
+      continue;
+    }
+    const int64_t lo = first_visible[r], hi = last_visible[r];
+    for (int64_t j = 0; j < lo; ++j) s[j] = 0.f;
+    for (int64_t j = hi + 1; j < ldk; ++j) s[j] = 0.f;
+    float m = neg_inf;
+    for (int64_t j = lo; j <= hi; ++j) m = std::max(m, s[j]);
+    inv_sums[r] = 1.f / exp_shifted(s + lo, hi - lo + 1, m);
+  }
+  // out[r] = sum_j p[r, j] v_j / sum_r
+  for (int64_t r0 = 0; r0 < M; r0 += kOutRows) {
+    int64_t hi = 0;
+    for (int64_t r = r0; r < std::min(r0 + kOutRows, M); ++r) hi = std::max(hi, last_visible[r]);
+    const float* p = scores + r0 * ldk;
+    auto emit = [&](int64_t d0, const vec16* acc_row, int64_t r, int nb) {
+      for (int b = 0; b < nb; ++b) store16(out + (r0 + r) * D + d0 + b * kLane, acc_row[b] * inv_sums[r0 + r]);
+    };
+    int64_t d0 = 0;
+    for (; d0 + 4 * kLane <= D; d0 += 4 * kLane) {
+      vec16 acc[kOutRows][4];
+      values_tile<4>(p, ldk, vb, D, hi, d0, acc);
+      for (int64_t r = 0; r < kOutRows && r0 + r < M; ++r) emit(d0, acc[r], r, 4);
+    }
+    for (; d0 < D; d0 += kLane) {
+      vec16 acc[kOutRows][1];
+      values_tile<1>(p, ldk, vb, D, hi, d0, acc);
+      for (int64_t r = 0; r < kOutRows && r0 + r < M; ++r) emit(d0, acc[r], r, 1);
+    }
+  }
+}
+
+}  // namespace
+
+// q [Tq, H, D], k and v [Tk, KVH, D], fp32 contiguous; segments [S, 5] int64: per sequence
+// (q_start, q_len, ctx_start, ctx_len, own_start): its queries are rows q_start.. of q, its
+// context keys rows ctx_start.. of k and v (ctx_len of them, all visible), its own keys rows
+// own_start.. (q_len of them, causal). sliding_window > 0: a query at position p (ctx_len + i)
+// sees only keys at positions > p - window. Returns [Tq, H, D].
+torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor segments,
+                                double scale, int64_t sliding_window) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q, k, v must be [tokens, heads, head_dim]");
+  TORCH_CHECK(q.scalar_type() == torch::kFloat && k.scalar_type() == torch::kFloat && v.scalar_type() == torch::kFloat,
+              "prefill_attention takes fp32 q, k, v");
+  TORCH_CHECK(segments.scalar_type() == torch::kLong && segments.dim() == 2 && segments.size(1) == 5,
+              "segments must be int64 [S, 5]");
+  q = q.contiguous(), k = k.contiguous(), v = v.contiguous(), segments = segments.contiguous();
+  const int64_t H = q.size(1), D = q.size(2), KVH = k.size(1), Tk = k.size(0);
+  TORCH_CHECK(KVH > 0 && H % KVH == 0 && v.sizes() == k.sizes() && k.size(2) == D, "inconsistent q, k, v shapes");
+  TORCH_CHECK(D % kLane == 0, "head_dim must be a multiple of ", kLane);
+  const int64_t G = H / KVH;
+  const int64_t S = segments.size(0);
+  std::vector<Segment> segs(S);
+  const int64_t* sp = segments.data_ptr<int64_t>();
+  for (int64_t s = 0; s < S; ++s) {
+    segs[s] = {sp[5 * s], sp[5 * s + 1], sp[5 * s + 2], sp[5 * s + 3], sp[5 * s + 4]};
+    const Segment& g = segs[s];
+    TORCH_CHECK(g.q_start >= 0 && g.q_len >= 0 && g.q_start + g.q_len <= q.size(0), "segment ", s, ": queries out of range");
+    TORCH_CHECK(g.ctx_len == 0 || (g.ctx_start >= 0 && g.ctx_start + g.ctx_len <= Tk), "segment ", s, ": context out of range");
+    TORCH_CHECK(g.own_start >= 0 && g.own_start + g.q_len <= Tk, "segment ", s, ": keys out of range");
+  }
+  // items: (segment, kv head, run of up to kQueryRun query positions); an item copies the keys its run sees once
+  std::vector<std::array<int64_t, 4>> items;
+  for (int64_t s = 0; s < S; ++s)
+    for (int64_t h = 0; h < KVH; ++h)
+      for (int64_t i0 = 0; i0 < segs[s].q_len; i0 += kQueryRun)
+        items.push_back({s, h, i0, std::min(i0 + kQueryRun, segs[s].q_len)});
+  auto out = torch::empty_like(q);
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float fscale = static_cast<float>(scale);
+  constexpr int64_t kKeyTile = kScoreVecs * kLane;
+  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qv, kt, vb, scores, ob;
+    std::vector<int64_t> first, last;
+    std::vector<const float*> key_rows;
+    for (int64_t it = begin; it < end; ++it) {
+      const auto [s, h, run_begin, run_end] = items[it];
+      const Segment& g = segs[s];
+      // positions: context keys 0..ctx_len-1, own keys ctx_len..; query i at ctx_len + i
+      const int64_t top = g.ctx_len + run_end - 1;  // the last position a query of the run sees
+      const int64_t bottom = sliding_window > 0 ? std::max<int64_t>(0, g.ctx_len + run_begin - sliding_window + 1) : 0;
+      const int64_t nk = top - bottom + 1, ldk = (nk + kKeyTile - 1) / kKeyTile * kKeyTile;
+      kt.resize(D * ldk), vb.resize(nk * D), key_rows.resize(nk);
+      for (int64_t j = 0; j < nk; ++j) {
+        const int64_t p = bottom + j;
+        const int64_t row = p < g.ctx_len ? g.ctx_start + p : g.own_start + (p - g.ctx_len);
+        key_rows[j] = kp + (row * KVH + h) * D;
+        const float* vr = vp + (row * KVH + h) * D;
+        std::copy(vr, vr + D, vb.data() + j * D);
+      }
+      for (int64_t d = 0; d < D; ++d) {
+        float* row = kt.data() + d * ldk;
+        for (int64_t j = 0; j < nk; ++j) row[j] = key_rows[j][d];
+        std::fill(row + nk, row + ldk, 0.f);  // padding keys score 0 (and weigh 0)
+      }
+      for (int64_t i0 = run_begin; i0 < run_end; i0 += kQueryBlock) {
+        const int64_t qb = std::min(kQueryBlock, run_end - i0), M = qb * G;
+        const int64_t Mp = (M + 11) / 12 * 12;  // rows padded for both register tiles (the scores' 6, the output's 4)
+        const int64_t block_keys = g.ctx_len + i0 + qb - bottom;  // keys 0..block_keys-1 of the run's copy
+        const int64_t block_ldk = std::min(ldk, (block_keys + kKeyTile - 1) / kKeyTile * kKeyTile);
+        qv.resize(Mp * D), scores.resize(Mp * block_ldk), ob.resize(M * D), first.resize(M), last.resize(M);
+        std::fill(qv.begin() + M * D, qv.end(), 0.f);  // padding query vectors
+        for (int64_t i = 0; i < qb; ++i)
+          for (int64_t gi = 0; gi < G; ++gi) {
+            const int64_t r = i * G + gi, pos = g.ctx_len + i0 + i;
+            const float* src = qp + ((g.q_start + i0 + i) * H + h * G + gi) * D;
+            for (int64_t d = 0; d < D; ++d) qv[r * D + d] = src[d] * fscale;
+            first[r] = sliding_window > 0 ? std::max<int64_t>(0, pos - sliding_window + 1) - bottom : 0;
+            last[r] = pos - bottom;
+          }
+        attend_item(qv.data(), M, Mp, D, kt.data(), ldk, block_ldk, vb.data(), first.data(), last.data(), scores.data(),
+                    ob.data());
+        for (int64_t i = 0; i < qb; ++i)
+          for (int64_t gi = 0; gi < G; ++gi)
+            std::copy(ob.data() + (i * G + gi) * D, ob.data() + (i * G + gi + 1) * D,
+                      op + ((g.q_start + i0 + i) * H + h * G + gi) * D);
+      }
+    }
+  });
+  return out;
+}
