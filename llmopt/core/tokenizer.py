@@ -124,6 +124,15 @@ class Tokenizer:
                 raise LlmoptError("the text holds a lone UTF-16 surrogate (e.g. \\ud800): not valid Unicode") from None
             raise
 
+    def encode_batch(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
+        """`encode` of each text, in one call (the tokenizers library runs them on its threads)."""
+        try:
+            return [e.ids for e in self.backend.encode_batch(texts, add_special_tokens=add_special_tokens)]
+        except TypeError:
+            for text in texts:  # the text at fault gets encode's error
+                self.encode(text, add_special_tokens)
+            raise
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         if len(ids) > LONG_TEXT:  # as in encode: the batch call releases the GIL
             return self.backend.decode_batch([ids], skip_special_tokens=skip_special_tokens)[0]

@@ -98,8 +98,10 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, cos, sin, attn: AttentionBackend) -> torch.Tensor:
+    def forward(self, x, cos, sin, attn: AttentionBackend, output_rows: torch.Tensor | None = None) -> torch.Tensor:
         h = self.self_attn(self.input_layernorm(x), cos, sin, attn)
+        if output_rows is not None:  # the rows wanted from here on: the MLP need not see the others
+            h, x = h[output_rows], x[output_rows]
         h, x = self.post_attention_layernorm(h, residual=x)  # x = x + h; h = norm(x)
         return x + self.mlp(h)
 
@@ -118,11 +120,13 @@ class LlamaModel(nn.Module):
         dtype beside fp32 layers (an int4 model's, `llmopt.loader`), and the cast is exact."""
         return self.embed_tokens(input_ids).to(self.norm.weight.dtype)
 
-    def forward(self, input_ids, positions, attn: AttentionBackend) -> torch.Tensor:
+    def forward(self, input_ids, positions, attn: AttentionBackend, output_rows: torch.Tensor | None = None
+                ) -> torch.Tensor:
         x = self.embed(input_ids)
         cos, sin = self.rotary_emb(positions, x.dtype)
-        for layer in self.layers:
-            x = layer(x, cos, sin, attn)
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, attn, output_rows if i == last else None)
         return self.norm(x)
 
 
@@ -171,9 +175,12 @@ class LlamaForCausalLM(nn.Module):
         return any([m.use_prefill_kernel(logits_kernel if m is self.lm_head else kernel) for m in dense])
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
-        """input_ids, positions: [num_tokens] -> hidden states [num_tokens, hidden_size]."""
-        return self.model(input_ids, positions, attn)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend,
+                output_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids, positions: [num_tokens] -> hidden states [num_tokens, hidden_size]; with `output_rows`
+        (indices), the states of those rows only, in that order (every row's K/V still goes through every layer,
+        but the last layer's MLP runs on those rows alone)."""
+        return self.model(input_ids, positions, attn, output_rows)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -227,8 +227,11 @@ class ModelRunner:
             hidden = run_decode_plan(self.decode_plan, self.model, input_ids, positions_t, self.attn.k_caches,
                                      self.attn.v_caches, md.slot_mapping, md.decode_block_tables, md.decode_lens,
                                      self.block_size)
+        selected = False  # whether `hidden` holds the sampled rows only
         if hidden is None:
-            hidden = self.model(input_ids, positions_t, self.attn)
+            # a step whose other rows score nothing (no prompt logprobs) runs the last MLP on the sampled rows only
+            selected = bool(flat_rows) and not score_prompts and len(flat_rows) < len(input_ids)
+            hidden = self.model(input_ids, positions_t, self.attn, output_rows=dev["sample_rows"] if selected else None)
         self.attn.metadata = None
         prompt_scores: list[tuple[Sequence, ScoredChunk]] = []
         if score_prompts:
@@ -236,7 +239,7 @@ class ModelRunner:
                 if seq.prompt_logprobs is not None and seq.num_computed_tokens < seq.num_prompt_tokens:
                     prompt_scores.append((seq, self._score_prompt(hidden, seq, start, n)))
         if flat_rows:
-            logits = self.model.compute_logits(hidden[dev["sample_rows"]])
+            logits = self.model.compute_logits(hidden if selected else hidden[dev["sample_rows"]])
         else:
             logits = torch.empty(0, self.model.config.vocab_size)
         return RunnerOutput(logits, samplers, [len(rows) for rows in sample_rows], prompt_scores, prompts_done)

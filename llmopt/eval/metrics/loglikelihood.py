@@ -18,7 +18,7 @@ chosen from the longest common prefixes of neighbours so that the tokens saved a
 (`prefix_groups`), and each sequence's rest attends to its group's prefix and then causally to
 itself, as a prefix cache would give it. Groups and lone sequences are packed flat, longest first,
 several per forward (`PackedAttention`: per-sequence causal attention, no KV cache, no padding), and
-the vocabulary projection is applied only to the rows that are scored.
+the last layer's MLP and the vocabulary projection are applied only to the rows that are scored.
 """
 
 from __future__ import annotations
@@ -47,7 +47,8 @@ class PackedAttention(AttentionBackend):
         self.starts = [0]
         for n in self.seq_lens[:-1]:
             self.starts.append(self.starts[-1] + n)
-        self._masks: dict[tuple[int, int, int | None], tuple[torch.Tensor | None, bool]] = {}  # the same for every layer
+        # (queries, context, window) -> causal_mask's answer: the same for every layer
+        self._masks: dict[tuple[int, int, int | None], tuple[torch.Tensor | None, bool]] = {}
         self._segment_rows: torch.Tensor | None = None
 
     def forward(self, layer_idx, q, k, v, sliding_window, math_dtype=None):
@@ -87,12 +88,16 @@ class _Job:
     scores: list[tuple[int, int, int]] = field(default_factory=list)  # (pair index, row in ids, target id)
 
 
+def _split_spaces(context: str, continuation: str) -> tuple[str, str]:
+    """lm-eval's `_encode_pair` first step: trailing spaces of the context go to the continuation's front."""
+    spaces = len(context) - len(context.rstrip())
+    return (context[:-spaces], context[-spaces:] + continuation) if spaces else (context, continuation)
+
+
 def encode_pair(encode: Callable[[str], list[int]], context: str, continuation: str,
                 encode_context: Callable[[str], list[int]] | None = None) -> tuple[list[int], list[int]]:
     """lm-eval's `_encode_pair`: context and continuation token ids (`encode_context` may cache)."""
-    spaces = len(context) - len(context.rstrip())
-    if spaces:
-        context, continuation = context[:-spaces], context[-spaces:] + continuation
+    context, continuation = _split_spaces(context, continuation)
     whole = encode(context + continuation)
     ctx = (encode_context or encode)(context)
     return ctx, whole[len(ctx):]
@@ -100,28 +105,25 @@ def encode_pair(encode: Callable[[str], list[int]], context: str, continuation: 
 
 def encode_pairs(tokenizer, pairs: Sequence[tuple[str, str]], bos_id: int | None = None
                  ) -> list[tuple[list[int], list[int]]]:
-    """(context ids, continuation ids) of each pair, as lm-eval encodes them: with `bos_id`, BOS first in every
-    context (lm-eval's `add_bos_token`); an empty context is BOS, or else EOS (lm-eval's prefix token)."""
-    encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    """(context ids, continuation ids) of each pair, as lm-eval encodes them (`encode_pair`, every distinct text
+    tokenized once, all in one batch): with `bos_id`, BOS first in every context (lm-eval's `add_bos_token`); an
+    empty context is BOS, or else EOS (lm-eval's prefix token)."""
     eos = (tokenizer.eos_token_ids or [0])[0]
-    ctx_cache: dict[str, list[int]] = {}  # every MMLU question's context is asked for four times
-
-    def encode_context(text: str) -> list[int]:
-        if text not in ctx_cache:
-            ctx_cache[text] = encode(text)
-        return ctx_cache[text]
-
+    split = [_split_spaces(c, cont) if c.strip() else ("", c + cont) for c, cont in pairs]
+    texts = list(dict.fromkeys(t for ctx, cont in split for t in ((ctx, ctx + cont) if ctx else (ctx + cont,))))
+    ids = dict(zip(texts, tokenizer.encode_batch(texts, add_special_tokens=False)))
     encoded: list[tuple[list[int], list[int]]] = []
-    for context, continuation in pairs:
-        if context.strip():
-            ctx, cont = encode_pair(encode, context, continuation, encode_context)
+    for (context, continuation), (ctx_text, cont_text) in zip(pairs, split):
+        if ctx_text:
+            ctx = ids[ctx_text]
+            cont = ids[ctx_text + cont_text][len(ctx):]
         else:  # lm-eval: an empty context is the end-of-text token
-            ctx, cont = [], encode(context + continuation)
+            ctx, cont = [], ids[cont_text]
         if not cont:
             raise LlmoptError(f"continuation {continuation!r} encodes to no tokens after context {context[-40:]!r}")
         if bos_id is not None:
             ctx = [bos_id, *ctx]
-        encoded.append((ctx or [eos], cont))
+        encoded.append((list(ctx) or [eos], list(cont)))
     return encoded
 
 
@@ -156,7 +158,7 @@ def token_jobs(pairs: Sequence[tuple[list[int], list[int]]], max_length: int) ->
     return [_token_job(i, list(ctx), list(cont), max_length) for i, (ctx, cont) in enumerate(pairs)]
 
 
-MIN_SHARED_PREFIX = 8  # tokens sequences must share for their prefix to run once (fewer: run whole, as unrelated prompts)
+MIN_SHARED_PREFIX = 8  # tokens sequences must share for their prefix to run once (fewer: each runs whole)
 MAX_RUN = 64  # sequences sharing one prefix at most (a forward holds ~20 MMLU questions: a longer run is split anyway)
 
 
@@ -288,10 +290,10 @@ def run_jobs(model, jobs: list[_Job], num_pairs: int, batch_tokens: int = DEFAUL
         pack = _Pack()
         for unit in batch:
             pack.add(unit)
-        hidden = model(torch.tensor(pack.ids, device=device), torch.tensor(pack.positions, device=device),
-                       PackedAttention(pack.seq_lens, pack.prefix_of))
         unique_rows, inverse = torch.tensor(pack.rows, device=device).unique(return_inverse=True)
-        logprobs = torch.log_softmax(model.compute_logits(hidden[unique_rows]).float(), dim=-1)
+        hidden = model(torch.tensor(pack.ids, device=device), torch.tensor(pack.positions, device=device),
+                       PackedAttention(pack.seq_lens, pack.prefix_of), output_rows=unique_rows)
+        logprobs = torch.log_softmax(model.compute_logits(hidden).float(), dim=-1)
         target_ids = torch.tensor(pack.targets, device=device)
         picked = logprobs[inverse, target_ids].double().cpu()
         pair_idx = torch.tensor(pack.pairs)

@@ -82,6 +82,5 @@ def chunk_hidden(model, ids: torch.Tensor, chunks: Chunks, bos_id: int | None = 
         if bos_id is not None:
             tokens[:, 0] = bos_id
         positions = torch.arange(n, device=ids.device).repeat(b)
-        hidden = model(tokens.reshape(-1), positions, EqualLengthAttention(b, n))
         rows = (torch.arange(first, n - 1, device=ids.device) + n * torch.arange(b, device=ids.device)[:, None]).reshape(-1)
-        yield targets, hidden[rows]
+        yield targets, model(tokens.reshape(-1), positions, EqualLengthAttention(b, n), output_rows=rows)
