@@ -83,11 +83,13 @@ def test_sharing_prefixes_scores_as_running_every_sequence_whole(tiny_models):
     header = "The following are multiple choice questions (with answers) about "
     contexts = [header + f"{subject}.\n\nQuestion {i}: what is {i} + {subject}?\nAnswer:"
                 for subject in ("physics", "law", "art") for i in range(4)] + ["A lone context:"]
+    contexts.append(contexts[0] + " Think first.")  # contexts[0] is all prefix of this one: no rest of its own
     pairs = [(c, cont) for c in contexts for cont in (" A", " B", " C", " D")]
     jobs, _ = ll.plan_jobs(loaded.tokenizer, pairs, loaded.config.max_position_embeddings)
     units = ll.plan_units(jobs, 2048)
     assert sum(u.num_tokens for u in units) < sum(len(j.ids) for j in jobs)  # something is shared
     assert sorted(id(j) for u in units for j in u.jobs) == sorted(id(j) for j in jobs)
+    assert any(len(j.ids) == u.shared for u in units for j in u.jobs)  # a job that is its group's prefix
     shared, shared_greedy = ll.run_jobs(loaded.model, jobs, len(pairs))
     whole, whole_greedy = ll.run_jobs(loaded.model, jobs, len(pairs), min_shared_prefix=None)
     torch.testing.assert_close(torch.tensor(shared), torch.tensor(whole), rtol=1e-5, atol=1e-4)

@@ -13,7 +13,7 @@ tokenizers), one forward over the context answers them all from its last positio
 Otherwise each pair runs as `(ctx + cont)[:-1]`.
 
 Sequences that begin with the same tokens (MMLU's subject header before every question of a
-subject, ~19% of its tokens) run that prefix once: the sequences are sorted, the shared prefixes
+subject: 16.7% of its tokens) run that prefix once: the sequences are sorted, the shared prefixes
 chosen from the longest common prefixes of neighbours so that the tokens saved are most
 (`prefix_groups`), and each sequence's rest attends to its group's prefix and then causally to
 itself, as a prefix cache would give it. Groups and lone sequences are packed flat, longest first,
