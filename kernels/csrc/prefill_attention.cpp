@@ -2,10 +2,11 @@
 // gives them, each sequence's queries against an optional run of context keys (all visible:
 // a shared prefix, or a chunk's cached positions) and then its own keys, causally.
 //
-// Work item: (sequence, kv head, block of kQueryBlock query positions). Its kQueryBlock x G query
-// vectors (the G heads sharing the kv head) against the keys the block can see: the keys are
-// copied once per item (K transposed, so a vector of scores is FMAs over contiguous lanes; V as
-// rows), scores = Q K^T in register tiles, masked, softmax per row, out = P V in register tiles.
+// Work item: (sequence, kv head, run of up to kQueryRun query positions). The keys the run can see
+// are copied once per item (K transposed, so a vector of scores is FMAs over contiguous lanes; V as
+// rows); then per block of kQueryBlock positions, its kQueryBlock x G query vectors (the G heads
+// sharing the kv head): scores = Q K^T in register tiles, masked, softmax per row, out = P V in
+// register tiles.
 // Two passes over a row of scores (not flash's running rescale): prompt rows are short enough
 // that a row of scores fits in cache. The loops are written for the compiler's vectoriser
 // (-march=native: AVX-512 or AVX2 lanes); the softmax's exp is vectorised with AVX2 where built
