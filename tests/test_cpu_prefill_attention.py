@@ -40,7 +40,7 @@ def _reference(q, k, v, segments, window):
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 4), (8, 1)])
-@pytest.mark.parametrize("head_dim", [64, 16, 80])
+@pytest.mark.parametrize("head_dim", [64, 16, 80, 128])
 @pytest.mark.parametrize("window", [None, 5, 40])
 def test_kernel_matches_pytorch_path(heads, kv_heads, head_dim, window):
     q, k, v, segments = _packed(heads, kv_heads, head_dim, seed=heads * 100 + head_dim)

@@ -94,12 +94,11 @@ def _split_spaces(context: str, continuation: str) -> tuple[str, str]:
     return (context[:-spaces], context[-spaces:] + continuation) if spaces else (context, continuation)
 
 
-def encode_pair(encode: Callable[[str], list[int]], context: str, continuation: str,
-                encode_context: Callable[[str], list[int]] | None = None) -> tuple[list[int], list[int]]:
-    """lm-eval's `_encode_pair`: context and continuation token ids (`encode_context` may cache)."""
+def encode_pair(encode: Callable[[str], list[int]], context: str, continuation: str) -> tuple[list[int], list[int]]:
+    """lm-eval's `_encode_pair`: context and continuation token ids."""
     context, continuation = _split_spaces(context, continuation)
     whole = encode(context + continuation)
-    ctx = (encode_context or encode)(context)
+    ctx = encode(context)
     return ctx, whole[len(ctx):]
 
 
