@@ -156,12 +156,12 @@ def each_path(fn) -> dict[str, torch.Tensor]:
 def test_paths_agree_bitwise(fmt, group_size, act_order, out_features, in_features):
     """Integer block dots are exact and every path does the same fp32 steps in the same order:
     the outputs are bitwise equal, for every row count (decode, batched decode, prompt chunks
-    on both sides of the AMX threshold), odd tile counts, act-order and bias."""
+    on both sides of the AMX threshold, several of the VNNI path's row runs), odd tile counts, act-order and bias."""
     q = checkpoint_weight(fmt, out_features, in_features, group_size, act_order, seed=out_features)
     packed = repack_int4(q.codes, q.scales, q.zeros, q.g_idx)
-    x = torch.randn(97, in_features, generator=torch.Generator().manual_seed(11))
+    x = torch.randn(150, in_features, generator=torch.Generator().manual_seed(11))
     bias = torch.randn(out_features, generator=torch.Generator().manual_seed(12))
-    for rows in (1, 2, 3, 4, 7, 8, 9, 15, 16, 17, 31, 32, 33, 48, 97):
+    for rows in (1, 2, 3, 4, 7, 8, 9, 15, 16, 17, 31, 32, 33, 48, 97, 150):
         xs = x[:rows].contiguous()
         outs = each_path(lambda: run(xs, packed, bias))
         for path, out in outs.items():

@@ -61,6 +61,9 @@ constexpr int64_t kTile = 8;  // output rows interleaved together
 constexpr int64_t kAmxMinRows = 32;
 constexpr int64_t kAmxRows = 16;  // rows of x per tile product
 
+// Rows of x the VNNI path takes against a span's tiles at a time (a multiple of 8, its register tile).
+constexpr int64_t kRowRun = 64;
+
 // Rows of x from which int8 weights (the vocabulary projection's Q8_0 copy) take the VNNI path: below
 // it AVX2's maddubs path was faster with the weights out of cache (Zen 4, one row 0.93-1.22 vs
 // 1.41-1.61 ms for the 49,152 x 576 projection; docs/benchmarks.md), and its results are bitwise alike.
@@ -579,13 +582,21 @@ void int4_tiles(int isa, const Int4Weights& W, int64_t t0, int64_t t1, const Qua
   }
 #endif
 #if LLMOPT_COMPILED_AVX512
-  if (isa >= kAvx512)
-    for (; t + 2 <= t1; t += 2) {
-      int64_t m = 0;
-      for (; m + 8 <= M; m += 8) int4_pair_vnni<8>(W, t, X, m, out + m * ldo + t * kTile, ldo);
-      for (; m + 4 <= M; m += 4) int4_pair_vnni<4>(W, t, X, m, out + m * ldo + t * kTile, ldo);
-      for (; m < M; ++m) int4_pair_vnni<1>(W, t, X, m, out + m * ldo + t * kTile, ldo);
+  if (isa >= kAvx512) {
+    // rows of x in runs of kRowRun, each against all of the span's tiles: a run's int8 rows stay in L2
+    // while the tiles stream past, instead of every row of x read again from L3 for each pair of tiles
+    const int64_t pairs_end = t + (t1 - t) / 2 * 2;
+    for (int64_t m0 = 0; m0 < M; m0 += kRowRun) {
+      const int64_t m1 = std::min(M, m0 + kRowRun);
+      for (int64_t tp = t; tp < pairs_end; tp += 2) {
+        int64_t m = m0;
+        for (; m + 8 <= m1; m += 8) int4_pair_vnni<8>(W, tp, X, m, out + m * ldo + tp * kTile, ldo);
+        for (; m + 4 <= m1; m += 4) int4_pair_vnni<4>(W, tp, X, m, out + m * ldo + tp * kTile, ldo);
+        for (; m < m1; ++m) int4_pair_vnni<1>(W, tp, X, m, out + m * ldo + tp * kTile, ldo);
+      }
     }
+    t = pairs_end;
+  }
 #endif
   for (; t < t1; ++t) int4_tile_rows(isa, W, t, X, M, out, ldo);
 }

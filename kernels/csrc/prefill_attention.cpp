@@ -9,7 +9,7 @@
 // register tiles.
 // Two passes over a row of scores (not flash's running rescale): prompt rows are short enough
 // that a row of scores fits in cache. The loops are written for the compiler's vectoriser
-// (-march=native: AVX-512 or AVX2 lanes); the softmax's exp is vectorised with AVX2 where built
+// (-march=native: AVX-512 or AVX2 lanes); the softmax's max and exp are vectorised with AVX-512 or AVX2 where built
 // with it. The PyTorch path (kernels/paged_attention.attend) is the reference.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -21,6 +21,9 @@
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include "vec_math.h"
+#endif
+#if defined(__AVX512F__)
+#include <immintrin.h>
 #endif
 
 namespace {
@@ -41,10 +44,37 @@ struct Segment {
   int64_t q_start, q_len, ctx_start, ctx_len, own_start;
 };
 
+
+// the largest of s[0..n), n >= 1
+inline float row_max(const float* s, int64_t n) {
+  int64_t i = 0;
+  float m = -std::numeric_limits<float>::infinity();
+#if defined(__AVX512F__)
+  __m512 vm = _mm512_set1_ps(m);
+  for (; i + 16 <= n; i += 16) vm = _mm512_max_ps(vm, _mm512_loadu_ps(s + i));
+  m = _mm512_reduce_max_ps(vm);
+#endif
+  for (; i < n; ++i) m = std::max(m, s[i]);
+  return m;
+}
+
 // s[0..n) = exp(s - m) in place; returns the sum
 inline float exp_shifted(float* s, int64_t n, float m) {
   float sum = 0.f;
   int64_t i = 0;
+#if defined(__AVX512F__)
+  {
+    const __m512 vm = _mm512_set1_ps(m);
+    __m512 acc = _mm512_setzero_ps();
+    for (; i < n; i += 16) {
+      const __mmask16 k = n - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - i)) - 1);
+      const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + i), vm));
+      _mm512_mask_storeu_ps(s + i, k, e);
+      acc = _mm512_add_ps(acc, _mm512_maskz_mov_ps(k, e));
+    }
+    return _mm512_reduce_add_ps(acc);
+  }
+#endif
 #if defined(__AVX2__) && defined(__FMA__)
   const __m256 vm = _mm256_set1_ps(m);
   __m256 acc = _mm256_setzero_ps();
@@ -110,9 +140,7 @@ void attend_item(const float* qv, int64_t M, int64_t Mp, int64_t D, const float*
     const int64_t lo = first_visible[r], hi = last_visible[r];
     for (int64_t j = 0; j < lo; ++j) s[j] = 0.f;
     for (int64_t j = hi + 1; j < ldk; ++j) s[j] = 0.f;
-    float m = neg_inf;
-    for (int64_t j = lo; j <= hi; ++j) m = std::max(m, s[j]);
-    inv_sums[r] = 1.f / exp_shifted(s + lo, hi - lo + 1, m);
+    inv_sums[r] = 1.f / exp_shifted(s + lo, hi - lo + 1, row_max(s + lo, hi - lo + 1));
   }
   // out[r] = sum_j p[r, j] v_j / sum_r
   for (int64_t r0 = 0; r0 < M; r0 += kOutRows) {

@@ -18,6 +18,7 @@ from llmopt.cli import quantize as quantize_cmd
 from llmopt.cli import run as run_cmd
 from llmopt.cli import serve as serve_cmd
 from llmopt.cli.common import DEBUG
+from llmopt.core.memory import reuse_freed_memory
 
 app = typer.Typer(
     name="llmopt",
@@ -80,4 +81,5 @@ def main() -> None:
     # `kill`, `timeout` and CI runners stop a job with SIGTERM: end the command as Ctrl-C does, so
     # its temporary outputs are removed on the way out (a server's own handlers replace this one)
     signal.signal(signal.SIGTERM, _interrupt)
+    reuse_freed_memory()
     app()

@@ -17,6 +17,36 @@ def _malloc_trim():
         return None
 
 
+# glibc's mallopt parameters (malloc.h)
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+# Blocks below this come from the heap, not each from its own mmap; this much free memory at the heap's top is
+# kept rather than given back at every free.
+HEAP_BLOCK_LIMIT = 32 << 20
+HEAP_TOP_KEPT = 64 << 20
+
+
+@functools.cache
+def _mallopt():
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c")).mallopt
+    except (OSError, AttributeError, TypeError):
+        return None
+
+
+def reuse_freed_memory() -> bool:
+    """Keep freed activation-sized blocks in the process for the next step instead of handing them back to the
+    operating system. A forward pass allocates and frees the same tens of MB per layer (a prompt chunk's
+    projections); glibc by default maps each such block afresh (its adaptive mmap threshold stops at 32 MB) or
+    trims the heap's top on free, so every layer touched fresh zeroed pages again: on a VM each fault costs
+    microseconds (a bf16 -> fp32 copy of a 2,048 x 3,072 product took 3.5 ms instead of 0.5 ms; docs/benchmarks.md,
+    section 5). Blocks of `HEAP_BLOCK_LIMIT` and up are still mapped on their own (weights, whole layers), and
+    `release_freed_memory` still gives the heap back where a pass asks for it. False where this is not glibc."""
+    mallopt = _mallopt()
+    if mallopt is None:
+        return False
+    return bool(mallopt(_M_MMAP_THRESHOLD, HEAP_BLOCK_LIMIT)) and bool(mallopt(_M_TRIM_THRESHOLD, HEAP_TOP_KEPT))
+
+
 def release_freed_memory() -> None:
     """glibc keeps freed blocks in its heaps; passes that allocate and free hundreds of MB
     per step (quantizing or loading layer after layer) then creep upwards in resident memory,

@@ -23,6 +23,7 @@ import torch
 
 from llmopt.core import load_tokenizer
 from llmopt.core.device import resolve_device
+from llmopt.core.memory import release_freed_memory
 from llmopt.core.source import ModelSource
 from llmopt.errors import LlmoptError
 from llmopt.eval import cache
@@ -109,6 +110,7 @@ class _LazyModel:
     def free(self) -> None:
         self.loaded = None
         gc.collect()
+        release_freed_memory()  # the heap this model's passes kept for reuse (`core.memory.reuse_freed_memory`)
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 

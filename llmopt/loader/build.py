@@ -27,7 +27,6 @@ from llmopt.errors import LlmoptError
 from llmopt.model.backends import KernelBackend, ReferenceBackend
 from llmopt.model.linear import DenseLinear, LinearBase
 from llmopt.model.llama import LlamaForCausalLM, checkpoint_names
-from llmopt.model.rope import rope_inv_freq
 
 _PACKED_SUFFIXES = ("qweight", "qzeros", "scales", "g_idx")
 
@@ -113,8 +112,7 @@ def build_model(
     del state
     if config.tie_word_embeddings:
         model.tie_weights()
-    # non-persistent buffers were created on the meta device; compute them for real
-    model.model.rotary_emb.inv_freq = rope_inv_freq(config).to(device)
+    model.model.rotary_emb.inv_freq = model.model.rotary_emb.inv_freq.to(device)
     unset = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
     if unset:
         raise LlmoptError(f"{where}: no weights for {', '.join(unset[:3])}")

@@ -46,7 +46,10 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
 class RotaryEmbedding(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
-        self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+        # on the CPU even where the model is built on the meta device: ops on meta tensors run PyTorch's Python
+        # references, whose first use imports torch._dynamo (a second or so of every load)
+        with torch.device("cpu"):
+            self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin of shape [num_tokens, head_dim] for the given absolute positions."""

@@ -75,16 +75,45 @@ def dense_lm_head(model) -> torch.Tensor:
     return model.compute_logits(eye).t().contiguous().to(STORE_DTYPE)
 
 
-def kld_logprobs(hidden: torch.Tensor, lm_head: torch.Tensor) -> torch.Tensor:
+@dataclass
+class RowBuffers:
+    """float32 [rows, vocab] buffers for `kld_logprobs` (the rebuilt rows; the product, in the first work buffer) and
+    `position_stats` (both work buffers), so that a pass over thousands of rows computes in the same memory each
+    time instead of allocating vocabulary-sized temporaries per block (50 MB each for 256 rows of the default
+    model: fresh pages every time, each page a fault)."""
+
+    rows: torch.Tensor
+    work: tuple[torch.Tensor, torch.Tensor]
+
+    @classmethod
+    def allocate(cls, rows: int, vocab: int, device: torch.device) -> RowBuffers:
+        new = lambda: torch.empty(rows, vocab, dtype=torch.float32, device=device)  # noqa: E731
+        return cls(new(), (new(), new()))
+
+    def take(self, rows: int) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """The first `rows` rows of the rows buffer and of the two work buffers."""
+        return self.rows[:rows], (self.work[0][:rows], self.work[1][:rows])
+
+
+def kld_logprobs(hidden: torch.Tensor, lm_head: torch.Tensor, out: torch.Tensor | None = None,
+                 work: torch.Tensor | None = None) -> torch.Tensor:
     """float32 log-softmax rows rebuilt from float16-rounded hidden states and projection (`lm_head` as stored, or
-    already widened to float32: the same values)."""
-    return torch.log_softmax(hidden.to(STORE_DTYPE).float() @ lm_head.float().t(), dim=-1)
+    already widened to float32: the same values); into `out` where given, the products in `work`."""
+    h, w = hidden.to(STORE_DTYPE).float(), lm_head.float().t()
+    if out is None:
+        return torch.log_softmax(h @ w, dim=-1)
+    return torch.log_softmax(torch.mm(h, w, out=work), dim=-1, out=out)
 
 
-def _kld_terms(p_log: torch.Tensor, q_log: torch.Tensor) -> torch.Tensor:
+def _kld_terms(p_log: torch.Tensor, q_log: torch.Tensor, work: tuple[torch.Tensor, torch.Tensor] | None = None
+               ) -> torch.Tensor:
     """Row sums (float64) of p (log p - log q) over the entries with log p > -16 (llama.cpp's cut-off); the terms
-    in the inputs' dtype (float32 rows: each term within a few ulps, the sums over a vocabulary in float64)."""
-    terms = p_log.exp().mul_(p_log - q_log)
+    in the inputs' dtype (float32 rows: each term within a few ulps, the sums over a vocabulary in float64);
+    computed in the two `work` tensors (p_log's shape) where given."""
+    if work is None:
+        terms = p_log.exp().mul_(p_log - q_log)
+    else:
+        terms = torch.exp(p_log, out=work[0]).mul_(torch.sub(p_log, q_log, out=work[1]))
     return terms.masked_fill_(p_log <= LOG_P_FLOOR, 0).sum(dim=1, dtype=torch.float64)
 
 
@@ -93,9 +122,11 @@ def _delta_p(nll_base: torch.Tensor, nll_cand: torch.Tensor) -> torch.Tensor:
 
 
 def position_stats(base_logprobs: torch.Tensor, cand_logprobs: torch.Tensor, nll_base: torch.Tensor,
-                   nll_cand: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per row, as llama.cpp: KLD(base || cand) over tokens with log p_base > -16, same top (0/1), Δp at the observed token."""
-    kld = _kld_terms(base_logprobs, cand_logprobs)
+                   nll_cand: torch.Tensor, work: tuple[torch.Tensor, torch.Tensor] | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per row, as llama.cpp: KLD(base || cand) over tokens with log p_base > -16, same top (0/1), Δp at the observed
+    token; `work`: two tensors of the rows' shape to compute the KLD terms in (else allocated)."""
+    kld = _kld_terms(base_logprobs, cand_logprobs, work)
     same = (cand_logprobs.argmax(dim=1) == base_logprobs.argmax(dim=1)).to(torch.int32)
     return kld, same, _delta_p(nll_base, nll_cand)
 

@@ -18,10 +18,11 @@ import numpy as np
 import torch
 
 from llmopt.errors import LlmoptError
-from llmopt.eval.metrics.kld import STORE_DTYPE, BaselineStore, KLDResult, dense_lm_head, kld_logprobs, position_stats, summarize
+from llmopt.eval.metrics.kld import (STORE_DTYPE, BaselineStore, KLDResult, RowBuffers, dense_lm_head, kld_logprobs,
+                                     position_stats, summarize)
 from llmopt.eval.metrics.windows import chunk_hidden, plan_chunks
 
-CHUNK_ROWS = 256  # log-softmax rows processed at once: bounds the vocab-sized temporaries
+CHUNK_ROWS = 128  # log-softmax rows processed at once: bounds the vocab-sized temporaries
 BATCH_CHUNKS = 4  # chunks per forward
 
 
@@ -66,24 +67,29 @@ def score_text(
     own_head_wide = own_head.float() if store else None  # widened once, not per block of rows
     nlls, hiddens, errors, klds, sames, deltas = [], [], [], [], [], []
     pos = 0
+    own_rows = torch.empty(CHUNK_ROWS, vocab, dtype=torch.float32, device=device)  # this model's log-softmax rows
+    buffers = RowBuffers.allocate(CHUNK_ROWS, vocab, device) if store or base is not None else None
     for targets, hidden in chunk_hidden(model, ids.to(device), chunks, bos_id, BATCH_CHUNKS):
         for s in range(0, len(targets), CHUNK_ROWS):
             h, t = hidden[s:s + CHUNK_ROWS], targets[s:s + CHUNK_ROWS]
             n = len(t)
             with torch.inference_mode():
-                lp = torch.log_softmax(model.compute_logits(h).float(), dim=-1)
+                lp = torch.log_softmax(model.compute_logits(h).float(), dim=-1, out=own_rows[:n])
             nll = -lp.gather(1, t[:, None]).squeeze(1).double()
             nlls.append(nll.cpu())
             if store:
                 hiddens.append(h.to(STORE_DTYPE).cpu())
-                error, _, _ = position_stats(kld_logprobs(h, own_head_wide), lp, nll, nll)  # as a candidate will compare
+                rows, work = buffers.take(n)
+                rebuilt = kld_logprobs(h, own_head_wide, out=rows, work=work[0])
+                error, _, _ = position_stats(rebuilt, lp, nll, nll, work)  # as a candidate will compare
                 errors.append(error.cpu())
             if base is not None:
                 b_hidden = torch.from_numpy(np.array(base.store.hidden[pos:pos + n])).to(device)
                 b_nll = torch.from_numpy(np.array(base.nll[pos:pos + n])).to(device)
-                kld, same, delta = position_stats(kld_logprobs(b_hidden, base_head), lp, b_nll, nll)
+                rows, work = buffers.take(n)
+                rebuilt = kld_logprobs(b_hidden, base_head, out=rows, work=work[0])
+                kld, same, delta = position_stats(rebuilt, lp, b_nll, nll, work)
                 klds.append(kld.cpu()), sames.append(same.cpu()), deltas.append(delta.cpu())
-            del lp
             pos += n
         if on_progress is not None:
             on_progress(pos, total)
