@@ -1,4 +1,4 @@
-"""Process memory: giving freed heap back to the operating system; how much is still available."""
+"""Process memory: keeping freed heap for reuse or giving it back to the operating system; how much is still available."""
 
 from __future__ import annotations
 
@@ -9,12 +9,14 @@ from pathlib import Path
 
 
 @functools.cache
-def _malloc_trim():
-    """glibc's malloc_trim, or None (not glibc). Looked up once: find_library runs ldconfig."""
+def _libc():
+    """glibc (its malloc_trim and mallopt), or None where this is not glibc. Looked up once: find_library runs
+    ldconfig."""
     try:
-        return ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim
-    except (OSError, AttributeError, TypeError):
+        libc = ctypes.CDLL(ctypes.util.find_library("c"))
+    except (OSError, TypeError):
         return None
+    return libc if hasattr(libc, "malloc_trim") and hasattr(libc, "mallopt") else None
 
 
 # glibc's mallopt parameters (malloc.h)
@@ -25,35 +27,28 @@ HEAP_BLOCK_LIMIT = 32 << 20
 HEAP_TOP_KEPT = 64 << 20
 
 
-@functools.cache
-def _mallopt():
-    try:
-        return ctypes.CDLL(ctypes.util.find_library("c")).mallopt
-    except (OSError, AttributeError, TypeError):
-        return None
-
-
 def reuse_freed_memory() -> bool:
     """Keep freed activation-sized blocks in the process for the next step instead of handing them back to the
     operating system. A forward pass allocates and frees the same tens of MB per layer (a prompt chunk's
-    projections); glibc by default maps each such block afresh (its adaptive mmap threshold stops at 32 MB) or
-    trims the heap's top on free, so every layer touched fresh zeroed pages again: on a VM each fault costs
-    microseconds (a bf16 -> fp32 copy of a 2,048 x 3,072 product took 3.5 ms instead of 0.5 ms; docs/benchmarks.md,
-    section 5). Blocks of `HEAP_BLOCK_LIMIT` and up are still mapped on their own (weights, whole layers), and
-    `release_freed_memory` still gives the heap back where a pass asks for it. False where this is not glibc."""
-    mallopt = _mallopt()
-    if mallopt is None:
+    projections); with glibc's defaults (an mmap threshold that adapts as blocks are freed, the heap's top
+    trimmed on free) such blocks kept arriving as fresh pages, and on a VM each page fault costs microseconds
+    (MMLU's fp32 pass: 1.47M faults, 54K with this; docs/benchmarks.md, section 8, "Page faults in the prompt
+    passes"). Blocks of `HEAP_BLOCK_LIMIT` and up are still mapped on their own (weights, vocabulary-sized
+    rows), and `release_freed_memory` still gives the heap back where a pass asks for it. False where this
+    is not glibc."""
+    libc = _libc()
+    if libc is None:
         return False
-    return bool(mallopt(_M_MMAP_THRESHOLD, HEAP_BLOCK_LIMIT)) and bool(mallopt(_M_TRIM_THRESHOLD, HEAP_TOP_KEPT))
+    return bool(libc.mallopt(_M_MMAP_THRESHOLD, HEAP_BLOCK_LIMIT)) and bool(libc.mallopt(_M_TRIM_THRESHOLD, HEAP_TOP_KEPT))
 
 
 def release_freed_memory() -> None:
     """glibc keeps freed blocks in its heaps; passes that allocate and free hundreds of MB
     per step (quantizing or loading layer after layer) then creep upwards in resident memory,
     hundreds of MB over a small model's layers. malloc_trim returns them."""
-    trim = _malloc_trim()
-    if trim is not None:
-        trim(0)
+    libc = _libc()
+    if libc is not None:
+        libc.malloc_trim(0)
 
 
 def available_memory_bytes() -> int | None:
