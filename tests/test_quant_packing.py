@@ -11,7 +11,8 @@ import random
 import torch
 
 from llmopt.core.quant_formats import pack_tensors, unpack_tensors
-from llmopt.core.quant_packing import awq_pack, awq_unpack, gptq_pack, gptq_unpack
+from llmopt.core.quant_packing import (NATURAL_ORDER, awq_pack, awq_unpack, gptq_pack, gptq_unpack, pack_columns, pack_rows,
+                                       unpack_columns)
 from llmopt.quant.quantizer import QuantizedWeight, QuantScheme
 
 AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # AutoAWQ's GEMM order: nibble i holds output column ORDER[i]
@@ -111,3 +112,13 @@ def test_awq_checkpoint_dequantizes_per_published_formula():
             zero = (qz[i // width][o // 8] >> (4 * nibble)) & 0xF
             expected[o, i] = sc[i // width, o] * (code - zero)
     assert torch.equal(unpack_tensors("awq", t, "m", bits=4, group_size=width).dequantize(), expected)
+
+
+def test_packing_stays_on_the_codes_device():
+    """Quantizing on a GPU packs CUDA codes: every temporary on the codes' device (the first GPU run failed with
+    "found at least two devices" here). Meta tensors stand in for CUDA: a CPU temporary breaks them the same way."""
+    codes = torch.randint(0, 16, (16, 64), device="meta")
+    for order in (NATURAL_ORDER, tuple(AWQ_ORDER)):
+        packed = pack_columns(codes, order)
+        assert packed.device.type == "meta" and unpack_columns(packed, order).device.type == "meta"
+    assert pack_rows(codes).device.type == "meta"

@@ -26,7 +26,7 @@ def pack_columns(values: torch.Tensor, order: tuple[int, ...] = NATURAL_ORDER) -
     if cols % _INT4_PER_INT32:
         raise ValueError(f"cannot pack {cols} columns into int32 words of 8")
     grouped = values.to(torch.int64).reshape(rows, cols // 8, 8)[:, :, list(order)]
-    shifts = torch.arange(0, 32, 4, dtype=torch.int64)
+    shifts = torch.arange(0, 32, 4, dtype=torch.int64, device=values.device)
     words = (grouped << shifts).sum(dim=-1)
     return _to_int32(words)
 
@@ -34,7 +34,7 @@ def pack_columns(values: torch.Tensor, order: tuple[int, ...] = NATURAL_ORDER) -
 def unpack_columns(packed: torch.Tensor, order: tuple[int, ...] = NATURAL_ORDER) -> torch.Tensor:
     """Inverse of `pack_columns`: [rows, words] int32 -> [rows, words*8] uint8 codes."""
     rows, words = packed.shape
-    out = torch.empty(rows, words, 8, dtype=torch.uint8)
+    out = torch.empty(rows, words, 8, dtype=torch.uint8, device=packed.device)
     packed = packed.to(torch.int32)
     for nibble, column in enumerate(order):
         # arithmetic shifts of negative words still leave the right low nibble after & 0xF
