@@ -8,16 +8,18 @@ as long in its linears as batch 1. The kernel reads each weight row once and dot
 all rows of x while it is in L1 (`llmopt bench kernels --device cpu` measures both). Larger
 inputs (prompt chunks, perplexity windows) keep MKL, which wins there, or take the bf16 path.
 
-The bf16 paths (`prefill_kernel`), one of two by CPU (`bf16_way`). With AMX-BF16 tiles, `bf16_linear`:
+The bf16 paths (`prefill_kernel`), one of two by CPU (`bf16_way`). With AMX-BF16 tiles, `BF16_MATH` (`bf16_linear`):
 oneDNN's matmul with fp32 inputs and outputs in its bf16 math mode (PyTorch's
 `torch.backends.mkldnn.matmul.fp32_precision = "bf16"`): inputs rounded to bfloat16, products summed
 and returned in fp32, several times faster than fp32 at prompt sizes. With AVX512-BF16 alone (AMD
 Zen 4, Intel Cooper Lake) that mode runs oneDNN's fp32 kernel (bitwise `onednn_linear`, at its
 speed, oneDNN 3.12), while oneDNN's bf16 GEMM on bf16 tensors (`vdpbf16ps`, fp32 sums) runs ~1.7x
-fp32's rate there: so on those CPUs `bf16_tensor_linear` rounds the inputs and the weight to bfloat16
+fp32's rate there: so on those CPUs `BF16_TENSORS` rounds the inputs and the weight to bfloat16
 for the call, and the result comes back rounded to bfloat16 too (what oneDNN returns), then widened. The roundings are
 what it costs (relative error ~2^-9 per input, and per output without AMX; measured on the default
-model in docs/benchmarks.md).
+model in docs/benchmarks.md). A layer that keeps its weight runs the bf16 GEMM on a copy rounded and
+packed once into oneDNN's own layout (`PrefillKernel.weight_copy`: half the fp32 weight's bytes beside it),
+not on a weight rounded on every call: the same bits, 4-8% faster at 2,048 rows (default model, Zen 4).
 
 Full-precision prompt products go through the faster of two fp32 GEMMs on this CPU (`fp32_gemm`):
 MKL's, what `F.linear` runs, or oneDNN's (`onednn_linear`).
@@ -28,6 +30,7 @@ from __future__ import annotations
 import functools
 import os
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -63,7 +66,7 @@ def native_bf16() -> bool:
 
 def bf16_way() -> str:
     """How this CPU multiplies bf16 for oneDNN: "amx" (AMX-BF16 tiles: `bf16_linear`), "avx512_bf16"
-    (`vdpbf16ps` on bf16 tensors: `bf16_tensor_linear`) or "emulated" (neither)."""
+    (`vdpbf16ps` on bf16 tensors: `BF16_TENSORS`) or "emulated" (neither)."""
     flags = _cpu_flags()
     return "amx" if "amx_bf16" in flags else "avx512_bf16" if "avx512_bf16" in flags else "emulated"
 
@@ -128,22 +131,34 @@ def _onednn_bf16() -> bool:
     return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
-def prefill_kernel(precision: str, rounded_result: bool = True) -> Callable | None:
-    """The kernel `(x, w, bias) -> y` for fp32 prompt-sized products under `precision`
-    (FP32_MATMUL_PRECISIONS), or None for fp32 (`F.linear` / oneDNN's fp32 GEMM): "ieee" never;
-    "auto" where the CPU multiplies bf16 natively (`native_bf16`); "bf16" wherever oneDNN has a bf16
-    path. AMX CPUs take `bf16_linear`; AVX512-BF16 ones `bf16_tensor_linear`, whose result is rounded
-    to bf16, only where `rounded_result` allows it (the engine's forward does; quantization's
-    Hessians and losses do not, and stay fp32 there under "auto", as under "bf16" on CPUs without
-    native bf16, where oneDNN's bf16 mode computes in fp32)."""
+@dataclass(frozen=True)
+class PrefillKernel:
+    """An fp32 prompt-sized product `kernel(x, w, bias) -> y`, in two parts for layers that keep their weight:
+    `weight_copy(w)`, the copy the product reads (a layer makes it once; None: the product reads `w` itself),
+    and `on_copy(x, copy, bias)`. Calling the kernel makes the copy for that call."""
+
+    weight_copy: Callable[[torch.Tensor], torch.Tensor] | None
+    on_copy: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+
+    def __call__(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return self.on_copy(x, w if self.weight_copy is None else self.weight_copy(w), bias)
+
+
+def prefill_kernel(precision: str, rounded_result: bool = True) -> PrefillKernel | None:
+    """The kernel for fp32 prompt-sized products under `precision` (FP32_MATMUL_PRECISIONS), or None for
+    fp32 (`F.linear` / oneDNN's fp32 GEMM): "ieee" never; "auto" where the CPU multiplies bf16 natively
+    (`native_bf16`); "bf16" wherever oneDNN has a bf16 path. AMX CPUs take `BF16_MATH`; AVX512-BF16 ones
+    `BF16_TENSORS`, whose result is rounded to bf16, only where `rounded_result` allows it (the engine's
+    forward does; quantization's Hessians and losses do not, and stay fp32 there under "auto", as under
+    "bf16" on CPUs without native bf16, where oneDNN's bf16 mode computes in fp32)."""
     if precision not in FP32_MATMUL_PRECISIONS:
         raise ValueError(f"unknown fp32 matmul precision {precision!r}; choose one of: {', '.join(FP32_MATMUL_PRECISIONS)}")
     if precision == "ieee" or not _onednn_bf16() or (precision == "auto" and not native_bf16()):
         return None
     way = bf16_way()
     if way == "avx512_bf16" and rounded_result:
-        return bf16_tensor_linear
-    return bf16_linear if way != "avx512_bf16" or precision == "bf16" else None
+        return BF16_TENSORS
+    return BF16_MATH if way != "avx512_bf16" or precision == "bf16" else None
 
 
 def uses_bf16(precision: str) -> bool:
@@ -170,8 +185,25 @@ def bf16_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = No
             matmul.fp32_precision = previous
 
 
-def bf16_tensor_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear(x, w, bias)` for fp32 CPU tensors through oneDNN's bf16 GEMM: x and w rounded to bf16 for
-    the call (no copy kept), fp32 sums, the product rounded to bf16 and widened, the bias added in fp32."""
-    out = F.linear(x.to(torch.bfloat16), w.to(torch.bfloat16)).float()
+# the row count oneDNN picks the packed layout for: the eval's forwards and prompt chunks are up to ~2,048 rows
+PACKED_FOR_ROWS = 2048
+
+
+def bf16_weight_copy(w: torch.Tensor) -> torch.Tensor:
+    """w rounded to bfloat16 and packed into the blocked layout oneDNN's GEMM reads (an opaque oneDNN tensor;
+    the layout chosen for prompt-sized row counts, any count works)."""
+    return torch.ops.mkldnn._reorder_linear_weight(w.detach().to(torch.bfloat16), PACKED_FOR_ROWS)
+
+
+def linear_on_bf16_copy(x: torch.Tensor, w_bf16: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(x, w, bias)` for fp32 x through oneDNN's bf16 GEMM on `w_bf16` (`bf16_weight_copy`, or any bf16
+    [N, K] tensor): x rounded to bf16 for the call, fp32 sums, the product rounded to bf16 and widened, the bias
+    added in fp32."""
+    out = torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), w_bf16, None, "none", [], "").float()
     return out if bias is None else out.add_(bias)
+
+
+# oneDNN's bf16 math mode on the fp32 weight as it is (changes to the weight are seen)
+BF16_MATH = PrefillKernel(None, bf16_linear)
+# bf16 tensors through oneDNN's bf16 GEMM (AVX512-BF16 without AMX)
+BF16_TENSORS = PrefillKernel(bf16_weight_copy, linear_on_bf16_copy)

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from llmopt.errors import LlmoptError
 from llmopt.kernels import cpu_linear
 from llmopt.kernels.cpu_extension import cpu_ops
-from llmopt.kernels.cpu_linear import (SKINNY_MAX_ROWS, _onednn_bf16, bf16_linear, bf16_tensor_linear, bf16_way,
+from llmopt.kernels.cpu_linear import (BF16_MATH, BF16_TENSORS, SKINNY_MAX_ROWS, _onednn_bf16, bf16_linear, bf16_way,
                                       prefill_kernel, skinny_linear_kernel, uses_bf16)
 from llmopt.model.backends import CpuBackend, ReferenceBackend
 from llmopt.kernels.paged_attention import PROMPT_MATH_MIN_QUERIES, attend, causal_mask
@@ -203,11 +203,11 @@ def test_prefill_kernel_by_cpu_precision_and_rounding(way, monkeypatch):
     monkeypatch.setattr(cpu_linear, "native_bf16", lambda: way != "emulated")
     monkeypatch.setattr(cpu_linear, "_onednn_bf16", lambda: True)
     expected = {
-        "amx": {("auto", True): bf16_linear, ("auto", False): bf16_linear, ("bf16", True): bf16_linear,
-                ("bf16", False): bf16_linear},
-        "avx512_bf16": {("auto", True): bf16_tensor_linear, ("auto", False): None, ("bf16", True): bf16_tensor_linear,
-                        ("bf16", False): bf16_linear},
-        "emulated": {("auto", True): None, ("auto", False): None, ("bf16", True): bf16_linear, ("bf16", False): bf16_linear},
+        "amx": {("auto", True): BF16_MATH, ("auto", False): BF16_MATH, ("bf16", True): BF16_MATH,
+                ("bf16", False): BF16_MATH},
+        "avx512_bf16": {("auto", True): BF16_TENSORS, ("auto", False): None, ("bf16", True): BF16_TENSORS,
+                        ("bf16", False): BF16_MATH},
+        "emulated": {("auto", True): None, ("auto", False): None, ("bf16", True): BF16_MATH, ("bf16", False): BF16_MATH},
     }[way]
     for (precision, rounded), kernel_ in expected.items():
         assert prefill_kernel(precision, rounded) is kernel_, (precision, rounded)
@@ -218,20 +218,24 @@ def test_prefill_kernel_by_cpu_precision_and_rounding(way, monkeypatch):
 
 @needs_onednn_bf16
 @pytest.mark.parametrize("rows,n_in,n_out", [(97, 576, 960), (512, 1536, 576), (130, 37, 13)])
-def test_bf16_tensor_linear_is_the_rounded_product_of_bf16_rounded_inputs(rows, n_in, n_out):
+def test_bf16_tensors_are_the_rounded_product_of_bf16_rounded_inputs(rows, n_in, n_out):
     """oneDNN's bf16 GEMM: within a bf16 rounding of the result (2^-8 relative, plus the sums' fp32 error)
-    of the float64 product of the rounded inputs, the bias added in fp32 after; and not the fp32 product."""
+    of the float64 product of the rounded inputs, the bias added in fp32 after; and not the fp32 product.
+    The packed copy a layer keeps gives the bits of bf16 tensors multiplied as they are."""
     gen = torch.Generator().manual_seed(rows + n_in)
     x = torch.randn(rows, n_in, generator=gen)
     w = torch.randn(n_out, n_in, generator=gen) * n_in ** -0.5
     b = torch.randn(n_out, generator=gen)
-    got = bf16_tensor_linear(x, w, b)
+    got = BF16_TENSORS(x, w, b)
     assert got.dtype == torch.float32 and got.shape == (rows, n_out)
     assert torch.equal(got, F.linear(x.bfloat16(), w.bfloat16()).float() + b)
+    copy = BF16_TENSORS.weight_copy(w)
+    assert copy.is_mkldnn and copy.dtype == torch.bfloat16
+    assert torch.equal(BF16_TENSORS.on_copy(x, copy, b), got)
     exact = _reference(x.bfloat16().float(), w.bfloat16().float(), None)
     err = (got.double() - b.double() - exact).abs()
     assert (err <= 2.0 ** -8 * exact.abs() + 1e-6 * exact.abs().max()).all()
-    assert torch.equal(bf16_tensor_linear(x, w), F.linear(x.bfloat16(), w.bfloat16()).float())
+    assert torch.equal(BF16_TENSORS(x, w), F.linear(x.bfloat16(), w.bfloat16()).float())
     assert (got.double() - _reference(x, w, b)).abs().max().item() > 1e-4
 
 
@@ -270,7 +274,8 @@ def test_bf16_linear_is_the_product_of_bf16_rounded_inputs(rows, n_in, n_out):
 
 
 @needs_onednn_bf16
-def test_dense_linear_takes_bf16_for_prompt_sized_rows_only():
+@pytest.mark.parametrize("prefill", [BF16_MATH, BF16_TENSORS], ids=["math_mode", "tensors"])
+def test_dense_linear_takes_bf16_for_prompt_sized_rows_only(prefill):
     gen = torch.Generator().manual_seed(8)
     layer = DenseLinear(64, 48, bias=True)
     layer.weight.data = torch.randn(48, 64, generator=gen)
@@ -279,17 +284,26 @@ def test_dense_linear_takes_bf16_for_prompt_sized_rows_only():
     assert CpuBackend().fp32_prefill_linear("bf16") is prefill_kernel("bf16")
     assert CpuBackend().fp32_prefill_linear("bf16", rounded_result=False) is prefill_kernel("bf16", False)
     assert CpuBackend().fp32_prefill_linear("ieee") is None and ReferenceBackend().fp32_prefill_linear("bf16") is None
-    assert layer.use_prefill_kernel(bf16_linear)
+    assert layer.use_prefill_kernel(prefill)
     few = torch.randn(SKINNY_MAX_ROWS, 64, generator=gen)
     many = torch.randn(2, SKINNY_MAX_ROWS, 64, generator=gen)  # any leading shape
     assert torch.equal(layer(few), kernel(few, layer.weight, layer.bias))  # decode steps stay fp32
+    assert layer.prefill_weight is None  # a copy is made at the first prompt-sized call only
     out = layer(many)
     assert out.shape == (2, SKINNY_MAX_ROWS, 48)
-    assert torch.equal(out.reshape(-1, 48), bf16_linear(many.reshape(-1, 64), layer.weight, layer.bias))
+    assert torch.equal(out.reshape(-1, 48), prefill(many.reshape(-1, 64), layer.weight, layer.bias))
+    copy = layer.prefill_weight
+    assert (copy is None) == (prefill.weight_copy is None)
+    assert torch.equal(layer(many), out) and layer.prefill_weight is copy  # made once
+    assert "prefill_weight" not in dict(layer.named_parameters()) and "prefill_weight" not in layer.state_dict()
+    layer.weight.data = torch.randn(48, 64, generator=gen)  # a new weight: prepared, and the kernel taken, again
+    layer.prepare(CpuBackend())
+    assert layer.use_prefill_kernel(prefill) and layer.prefill_weight is None
+    assert torch.equal(layer(many).reshape(-1, 48), prefill(many.reshape(-1, 64), layer.weight, layer.bias))
     assert not layer.use_prefill_kernel(None)
     assert torch.equal(layer(many), F.linear(many, layer.weight, layer.bias))
     layer.to(torch.float64)  # not an fp32 weight: never bf16
-    assert not layer.use_prefill_kernel(bf16_linear)
+    assert not layer.use_prefill_kernel(prefill)
     layer.to(torch.float32)
 
 

@@ -3,10 +3,10 @@
 // a shared prefix, or a chunk's cached positions) and then its own keys, causally.
 //
 // Work item: (sequence, kv head, run of up to kQueryRun query positions). The keys the run can see
-// are copied once per item (K transposed, so a vector of scores is FMAs over contiguous lanes; V as
-// rows); then per block of kQueryBlock positions, its kQueryBlock x G query vectors (the G heads
-// sharing the kv head): scores = Q K^T in register tiles, masked, softmax per row, out = P V in
-// register tiles.
+// are copied once per item, transposed, so a vector of scores is FMAs over contiguous lanes (queries,
+// values and results are read and written where they are); then per block of kQueryBlock positions,
+// its kQueryBlock x G query vectors (the G heads sharing the kv head): scores = Q K^T in register
+// tiles, masked, softmax per row, out = P V in register tiles.
 // Two passes over a row of scores (not flash's running rescale): prompt rows are short enough
 // that a row of scores fits in cache. The loops are written for the compiler's vectoriser
 // (-march=native: AVX-512 or AVX2 lanes); the softmax's max and exp are vectorised with AVX-512 or AVX2 where built
@@ -15,6 +15,7 @@
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -94,13 +95,13 @@ inline float exp_shifted(float* s, int64_t n, float m) {
 
 // out rows r0.. (kOutRows of them) = p V over keys 0..hi, NB vectors of 16 dims from d0
 template <int NB>
-inline void values_tile(const float* scores, int64_t ldk, const float* vb, int64_t D, int64_t hi, int64_t d0,
+inline void values_tile(const float* scores, int64_t ldk, const float* const* v_rows, int64_t hi, int64_t d0,
                         vec16 (&acc)[kOutRows][NB]) {
   for (int64_t r = 0; r < kOutRows; ++r)
     for (int b = 0; b < NB; ++b) acc[r][b] = vec16{};
   for (int64_t j = 0; j <= hi; ++j) {
     vec16 vj[NB];
-    for (int b = 0; b < NB; ++b) vj[b] = load16(vb + j * D + d0 + b * kLane);
+    for (int b = 0; b < NB; ++b) vj[b] = load16(v_rows[j] + d0 + b * kLane);
     for (int64_t r = 0; r < kOutRows; ++r) {
       const float p = scores[r * ldk + j];
       for (int b = 0; b < NB; ++b) acc[r][b] += p * vj[b];
@@ -108,11 +109,12 @@ inline void values_tile(const float* scores, int64_t ldk, const float* vb, int64
   }
 }
 
-// One block of queries: `qv` [Mp, D] (scaled; rows from M on zero) against keys 0..ldk-1 of `kt` [D, ldkt]
-// (transposed; ldk <= ldkt a multiple of kScoreVecs * kLane, zero past the keys), values `vb` [keys, D]; `first_visible[r]`/`last_visible[r]`: the key range query
-// vector r may see (inclusive). `scores` [Mp, ldk], `out` [M, D].
-void attend_item(const float* qv, int64_t M, int64_t Mp, int64_t D, const float* kt, int64_t ldkt, int64_t ldk,
-                 const float* vb, const int64_t* first_visible, const int64_t* last_visible, float* scores, float* out) {
+// One block of queries: rows `q_rows[r]` (D floats each, Mp of them; from M on a zero row) against keys 0..ldk-1 of `kt` [D, ldkt]
+// (transposed; ldk <= ldkt a multiple of kScoreVecs * kLane, zero past the keys), value j at `v_rows[j]`; `first_visible[r]`/`last_visible[r]`: the key range query
+// vector r may see (inclusive). Scores are q . k times `scale`; `scores` [Mp, ldk]; row r of the result to `out_rows[r]`.
+void attend_item(const float* const* q_rows, float scale, int64_t M, int64_t Mp, int64_t D, const float* kt,
+                 int64_t ldkt, int64_t ldk, const float* const* v_rows, const int64_t* first_visible, const int64_t* last_visible,
+                 float* scores, float* const* out_rows) {
   const float neg_inf = -std::numeric_limits<float>::infinity();
   // scores[r, j] = q_r . k_j
   for (int64_t r0 = 0; r0 < Mp; r0 += kScoreRows)
@@ -122,12 +124,12 @@ void attend_item(const float* qv, int64_t M, int64_t Mp, int64_t D, const float*
         vec16 kd[kScoreVecs];
         for (int64_t b = 0; b < kScoreVecs; ++b) kd[b] = load16(kt + d * ldkt + j0 + b * kLane);
         for (int64_t r = 0; r < kScoreRows; ++r) {
-          const float qd = qv[(r0 + r) * D + d];
+          const float qd = q_rows[r0 + r][d];
           for (int64_t b = 0; b < kScoreVecs; ++b) acc[r][b] += qd * kd[b];
         }
       }
       for (int64_t r = 0; r < kScoreRows; ++r)
-        for (int64_t b = 0; b < kScoreVecs; ++b) store16(scores + (r0 + r) * ldk + j0 + b * kLane, acc[r][b]);
+        for (int64_t b = 0; b < kScoreVecs; ++b) store16(scores + (r0 + r) * ldk + j0 + b * kLane, acc[r][b] * scale);
     }
   // softmax over each row's visible keys; the rest (and the padding rows) weigh 0
   std::vector<float> inv_sums(Mp, 0.f);
@@ -148,17 +150,17 @@ void attend_item(const float* qv, int64_t M, int64_t Mp, int64_t D, const float*
     for (int64_t r = r0; r < std::min(r0 + kOutRows, M); ++r) hi = std::max(hi, last_visible[r]);
     const float* p = scores + r0 * ldk;
     auto emit = [&](int64_t d0, const vec16* acc_row, int64_t r, int nb) {
-      for (int b = 0; b < nb; ++b) store16(out + (r0 + r) * D + d0 + b * kLane, acc_row[b] * inv_sums[r0 + r]);
+      for (int b = 0; b < nb; ++b) store16(out_rows[r0 + r] + d0 + b * kLane, acc_row[b] * inv_sums[r0 + r]);
     };
     int64_t d0 = 0;
     for (; d0 + 4 * kLane <= D; d0 += 4 * kLane) {
       vec16 acc[kOutRows][4];
-      values_tile<4>(p, ldk, vb, D, hi, d0, acc);
+      values_tile<4>(p, ldk, v_rows, hi, d0, acc);
       for (int64_t r = 0; r < kOutRows && r0 + r < M; ++r) emit(d0, acc[r], r, 4);
     }
     for (; d0 < D; d0 += kLane) {
       vec16 acc[kOutRows][1];
-      values_tile<1>(p, ldk, vb, D, hi, d0, acc);
+      values_tile<1>(p, ldk, v_rows, hi, d0, acc);
       for (int64_t r = 0; r < kOutRows && r0 + r < M; ++r) emit(d0, acc[r], r, 1);
     }
   }
@@ -193,12 +195,20 @@ torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor 
     TORCH_CHECK(g.ctx_len == 0 || (g.ctx_start >= 0 && g.ctx_start + g.ctx_len <= Tk), "segment ", s, ": context out of range");
     TORCH_CHECK(g.own_start >= 0 && g.own_start + g.q_len <= Tk, "segment ", s, ": keys out of range");
   }
-  // items: (segment, kv head, run of up to kQueryRun query positions); an item copies the keys its run sees once
+  // items: (segment, kv head, run of up to kQueryRun query positions); an item copies the keys its run sees once.
+  // Their costs differ by orders of magnitude (a 400-token question beside 40-token ones, a shared header), so the
+  // threads take them from one queue, largest first, rather than in fixed halves of the list.
   std::vector<std::array<int64_t, 4>> items;
   for (int64_t s = 0; s < S; ++s)
     for (int64_t h = 0; h < KVH; ++h)
       for (int64_t i0 = 0; i0 < segs[s].q_len; i0 += kQueryRun)
         items.push_back({s, h, i0, std::min(i0 + kQueryRun, segs[s].q_len)});
+  const auto item_cost = [&](const std::array<int64_t, 4>& item) {  // query positions x keys they see, roughly
+    return (item[3] - item[2]) * (segs[item[0]].ctx_len + (item[2] + item[3]) / 2);
+  };
+  std::stable_sort(items.begin(), items.end(),
+                   [&](const auto& a, const auto& b) { return item_cost(a) > item_cost(b); });
+  std::atomic<int64_t> next_item{0};
   auto out = torch::empty_like(q);
   const float* qp = q.data_ptr<float>();
   const float* kp = k.data_ptr<float>();
@@ -206,24 +216,26 @@ torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor 
   float* op = out.data_ptr<float>();
   const float fscale = static_cast<float>(scale);
   constexpr int64_t kKeyTile = kScoreVecs * kLane;
-  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qv, kt, vb, scores, ob;
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), static_cast<int64_t>(items.size()));
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    std::vector<float> kt, scores;
+    const std::vector<float> zero_row(D, 0.f);  // the padding query rows'
     std::vector<int64_t> first, last;
-    std::vector<const float*> key_rows;
-    for (int64_t it = begin; it < end; ++it) {
+    std::vector<const float*> key_rows, value_rows, q_rows;
+    std::vector<float*> out_rows;
+    for (int64_t it = next_item++; it < static_cast<int64_t>(items.size()); it = next_item++) {
       const auto [s, h, run_begin, run_end] = items[it];
       const Segment& g = segs[s];
       // positions: context keys 0..ctx_len-1, own keys ctx_len..; query i at ctx_len + i
       const int64_t top = g.ctx_len + run_end - 1;  // the last position a query of the run sees
       const int64_t bottom = sliding_window > 0 ? std::max<int64_t>(0, g.ctx_len + run_begin - sliding_window + 1) : 0;
       const int64_t nk = top - bottom + 1, ldk = (nk + kKeyTile - 1) / kKeyTile * kKeyTile;
-      kt.resize(D * ldk), vb.resize(nk * D), key_rows.resize(nk);
+      kt.resize(D * ldk), key_rows.resize(nk), value_rows.resize(nk);
       for (int64_t j = 0; j < nk; ++j) {
         const int64_t p = bottom + j;
         const int64_t row = p < g.ctx_len ? g.ctx_start + p : g.own_start + (p - g.ctx_len);
         key_rows[j] = kp + (row * KVH + h) * D;
-        const float* vr = vp + (row * KVH + h) * D;
-        std::copy(vr, vr + D, vb.data() + j * D);
+        value_rows[j] = vp + (row * KVH + h) * D;
       }
       for (int64_t d = 0; d < D; ++d) {
         float* row = kt.data() + d * ldk;
@@ -235,22 +247,19 @@ torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor 
         const int64_t Mp = (M + 11) / 12 * 12;  // rows padded for both register tiles (the scores' 6, the output's 4)
         const int64_t block_keys = g.ctx_len + i0 + qb - bottom;  // keys 0..block_keys-1 of the run's copy
         const int64_t block_ldk = std::min(ldk, (block_keys + kKeyTile - 1) / kKeyTile * kKeyTile);
-        qv.resize(Mp * D), scores.resize(Mp * block_ldk), ob.resize(M * D), first.resize(M), last.resize(M);
-        std::fill(qv.begin() + M * D, qv.end(), 0.f);  // padding query vectors
+        scores.resize(Mp * block_ldk), first.resize(M), last.resize(M), out_rows.resize(M);
+        q_rows.assign(Mp, zero_row.data());
+        // query vector r = (position i, head gi of the kv head's group): read from q and written to out in place
         for (int64_t i = 0; i < qb; ++i)
           for (int64_t gi = 0; gi < G; ++gi) {
-            const int64_t r = i * G + gi, pos = g.ctx_len + i0 + i;
-            const float* src = qp + ((g.q_start + i0 + i) * H + h * G + gi) * D;
-            for (int64_t d = 0; d < D; ++d) qv[r * D + d] = src[d] * fscale;
+            const int64_t r = i * G + gi, pos = g.ctx_len + i0 + i, offset = ((g.q_start + i0 + i) * H + h * G + gi) * D;
+            q_rows[r] = qp + offset;
+            out_rows[r] = op + offset;
             first[r] = sliding_window > 0 ? std::max<int64_t>(0, pos - sliding_window + 1) - bottom : 0;
             last[r] = pos - bottom;
           }
-        attend_item(qv.data(), M, Mp, D, kt.data(), ldk, block_ldk, vb.data(), first.data(), last.data(), scores.data(),
-                    ob.data());
-        for (int64_t i = 0; i < qb; ++i)
-          for (int64_t gi = 0; gi < G; ++gi)
-            std::copy(ob.data() + (i * G + gi) * D, ob.data() + (i * G + gi + 1) * D,
-                      op + ((g.q_start + i0 + i) * H + h * G + gi) * D);
+        attend_item(q_rows.data(), fscale, M, Mp, D, kt.data(), ldk, block_ldk, value_rows.data(), first.data(), last.data(),
+                    scores.data(), out_rows.data());
       }
     }
   });

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmopt.kernels.cpu_int4 import PackedInt8, int8_linear_kernel, repack_int8
-from llmopt.kernels.cpu_linear import SKINNY_MAX_ROWS, skinny_linear_kernel
+from llmopt.kernels.cpu_linear import SKINNY_MAX_ROWS, PrefillKernel, skinny_linear_kernel
 
 if TYPE_CHECKING:  # the backends hand out these layers; the layers need the backend only for hints
     from llmopt.model.backends import KernelBackend
@@ -53,7 +53,9 @@ class DenseLinear(LinearBase):
 
     `use_prefill_kernel(kernel)` sends the fp32 products of more than `SKINNY_MAX_ROWS` rows
     (prompt chunks, perplexity windows) through `kernel` instead: the backend's bf16 math under the
-    engine's `fp32_matmul_precision` (`KernelBackend.fp32_prefill_linear`).
+    engine's `fp32_matmul_precision` (`KernelBackend.fp32_prefill_linear`), on the weight itself or on the
+    kernel's copy of it (`PrefillKernel.weight_copy`), made at the first such call; a caller that changes
+    the weight afterwards calls `use_prefill_kernel` again.
 
     `use_compact_copy("bf16" | "int8")` makes every fp32 CPU call, whatever the row count,
     multiply by a smaller copy of the weight: bf16 through the skinny kernel (half the bytes),
@@ -73,18 +75,27 @@ class DenseLinear(LinearBase):
         self.bf16_weight: torch.Tensor | None = None
         self.int8_weight: PackedInt8 | None = None
         self.int8_kernel: Callable | None = None
-        self.prefill: Callable | None = None
+        self.prefill: PrefillKernel | None = None
+        self.prefill_weight: torch.Tensor | None = None  # the prefill kernel's copy of the weight
 
     def prepare(self, backend: KernelBackend) -> None:
         """Once the weights are loaded: take the kernels the backend has for this weight."""
         self.skinny, self.onednn_weight = backend.dense_linear_kernels(self.weight)
 
-    def use_prefill_kernel(self, kernel: Callable | None) -> bool:
-        """Prompt-sized products through `kernel(x, w, bias)` from now on (None: the plain path), where the
-        weight is fp32 on CPU; returns whether they are."""
+    def use_prefill_kernel(self, kernel: PrefillKernel | None) -> bool:
+        """Prompt-sized products through `kernel` from now on (None: the plain path), where the weight is fp32
+        on CPU; returns whether they are."""
         w = self.weight
         self.prefill = kernel if w.device.type == "cpu" and w.dtype == torch.float32 else None
+        self.prefill_weight = None
         return self.prefill is not None
+
+    def _prefill_weight(self) -> torch.Tensor:
+        if self.prefill.weight_copy is None:
+            return self.weight
+        if self.prefill_weight is None:
+            self.prefill_weight = self.prefill.weight_copy(self.weight)
+        return self.prefill_weight
 
     def use_compact_copy(self, kind: str) -> bool:
         """Multiply fp32 CPU inputs by a "bf16" or "int8" copy of the weight from now on; False
@@ -126,7 +137,7 @@ class DenseLinear(LinearBase):
             out = self.skinny(x.reshape(rows, self.in_features).contiguous(), self.weight, self.bias)
             return out.view(*x.shape[:-1], self.out_features)
         if self.prefill is not None:
-            out = self.prefill(x.reshape(rows, self.in_features), self.weight, self.bias)
+            out = self.prefill.on_copy(x.reshape(rows, self.in_features), self._prefill_weight(), self.bias)
             return out.view(*x.shape[:-1], self.out_features)
         if self.onednn_weight is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.onednn_weight, self.bias, "none", [], "")

@@ -14,6 +14,7 @@ import torch
 
 from llmopt.core.fp8_weight import Fp8Weight
 from llmopt.core.quantized_weight import PackedQuantizedWeight, QuantizedWeight
+from llmopt.kernels.cpu_linear import PrefillKernel
 from llmopt.model.linear import LinearBase
 from llmopt.model.ops import REFERENCE_OPS, DecoderOps
 from llmopt.model.paged_attention import PagedAttention
@@ -31,8 +32,8 @@ class KernelBackend:
         `weight` itself) a `DenseLinear` holding `weight` runs on; (None, None): `F.linear`."""
         return None, None
 
-    def fp32_prefill_linear(self, precision: str, rounded_result: bool = True) -> Callable | None:
-        """The kernel `(x, w, bias) -> y` fp32 `DenseLinear`s run prompt-sized products on under the engine's
+    def fp32_prefill_linear(self, precision: str, rounded_result: bool = True) -> PrefillKernel | None:
+        """The kernel (`llmopt.kernels.cpu_linear.PrefillKernel`) fp32 `DenseLinear`s run prompt-sized products on under the engine's
         `fp32_matmul_precision`, or None: their plain path (`F.linear`). `rounded_result=False`: only a
         kernel whose fp32 result is not rounded to a 16-bit type."""
         return None
