@@ -1,7 +1,7 @@
 """The C++ prompt attention kernel (`kernels/cpu_prefill_attention.py`) against the PyTorch path it replaced,
-on the same random inputs: packed MMLU-sized sequences (one SDPA call each, as `PackedAttention` made them),
-4 and 1 x 512 tokens (batched SDPA, as `EqualLengthAttention`) and 1 x 2,048. Prints ms per call, alternating
-the two paths `--rounds` times, and the largest difference.
+on the same random inputs: packed MMLU-sized sequences of even and of uneven lengths (one SDPA call each, as
+`PackedAttention` made them), 4 and 1 x 512 tokens (batched SDPA, as `EqualLengthAttention`) and 1 x 2,048.
+Prints ms per call, alternating the two paths `--rounds` times, and the largest difference.
 
     python scripts/bench_prompt_attention.py                 # the default model's heads: 9 / 3 kv, head_dim 64
     python scripts/bench_prompt_attention.py --heads 32 --kv-heads 8 --head-dim 64 --rounds 3
@@ -19,6 +19,9 @@ from llmopt.kernels.cpu_prefill_attention import equal_length_segments, prefill_
 from llmopt.kernels.paged_attention import attend, causal_mask
 
 MMLU_LENS = [112, 97, 130, 88, 140, 101, 77, 120, 95, 105, 99, 110, 90, 85, 115, 100, 92, 80]  # 18 MMLU-sized
+# an MMLU forward as the eval packs it: one long question beside short ones (a kernel splitting its work evenly by
+# item count leaves a thread idle here)
+MMLU_UNEVEN_LENS = [421, 197, 51, 52, 235, 62, 87, 154, 123, 155, 58, 45, 80, 63, 53, 45]
 
 
 def sdpa_packed(q, k, v, lens):
@@ -57,6 +60,7 @@ def main() -> None:
         raise SystemExit("the CPU kernels could not be built here")
     gen = torch.Generator().manual_seed(0)
     cases = [("18 sequences of 77-140 tokens, one SDPA call each", MMLU_LENS, None),
+             ("16 sequences of 45-421 tokens, one SDPA call each", MMLU_UNEVEN_LENS, None),
              ("4 x 512 tokens, batched SDPA", [512] * 4, 4), ("1 x 512 tokens", [512], 1), ("1 x 2,048 tokens", [2048], 1)]
     for name, lens, batched in cases:
         total = sum(lens)
