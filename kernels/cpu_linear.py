@@ -19,7 +19,7 @@ for the call, and the result comes back rounded to bfloat16 too (what oneDNN ret
 what it costs (relative error ~2^-9 per input, and per output without AMX; measured on the default
 model in docs/benchmarks.md). A layer that keeps its weight runs the bf16 GEMM on a copy rounded and
 packed once into oneDNN's own layout (`PrefillKernel.weight_copy`: half the fp32 weight's bytes beside it),
-not on a weight rounded on every call: the same bits, 4-8% faster at 2,048 rows (default model, Zen 4).
+not on a weight rounded on every call: the same bits, without the per-call rounding (measured in docs/benchmarks.md).
 
 Full-precision prompt products go through the faster of two fp32 GEMMs on this CPU (`fp32_gemm`):
 MKL's, what `F.linear` runs, or oneDNN's (`onednn_linear`).
