@@ -135,10 +135,12 @@ def _onednn_bf16() -> bool:
 class PrefillKernel:
     """An fp32 prompt-sized product `kernel(x, w, bias) -> y`, in two parts for layers that keep their weight:
     `weight_copy(w)`, the copy the product reads (a layer makes it once; None: the product reads `w` itself),
-    and `on_copy(x, copy, bias)`. Calling the kernel makes the copy for that call."""
+    and `on_copy(x, copy, bias)`. Calling the kernel makes the copy for that call. `bf16_on_copy(x, copy)`, where
+    the kernel's result is a bf16 rounding anyway: that bf16 product itself (no bias), not widened."""
 
     weight_copy: Callable[[torch.Tensor], torch.Tensor] | None
     on_copy: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+    bf16_on_copy: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
     def __call__(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return self.on_copy(x, w if self.weight_copy is None else self.weight_copy(w), bias)
@@ -195,15 +197,19 @@ def bf16_weight_copy(w: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(w.detach().to(torch.bfloat16), PACKED_FOR_ROWS)
 
 
+def bf16_product(x: torch.Tensor, w_bf16: torch.Tensor) -> torch.Tensor:
+    """`x @ w.T` through oneDNN's bf16 GEMM on `w_bf16` (`bf16_weight_copy`, or any bf16 [N, K] tensor): x (fp32
+    or bf16) rounded to bf16, fp32 sums, the product rounded to bf16."""
+    return torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), w_bf16, None, "none", [], "")
+
+
 def linear_on_bf16_copy(x: torch.Tensor, w_bf16: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear(x, w, bias)` for fp32 x through oneDNN's bf16 GEMM on `w_bf16` (`bf16_weight_copy`, or any bf16
-    [N, K] tensor): x rounded to bf16 for the call, fp32 sums, the product rounded to bf16 and widened, the bias
-    added in fp32."""
-    out = torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), w_bf16, None, "none", [], "").float()
+    """`F.linear(x, w, bias)` for fp32 x as `bf16_product`, the product widened and the bias added in fp32."""
+    out = bf16_product(x, w_bf16).float()
     return out if bias is None else out.add_(bias)
 
 
 # oneDNN's bf16 math mode on the fp32 weight as it is (changes to the weight are seen)
 BF16_MATH = PrefillKernel(None, bf16_linear)
 # bf16 tensors through oneDNN's bf16 GEMM (AVX512-BF16 without AMX)
-BF16_TENSORS = PrefillKernel(bf16_weight_copy, linear_on_bf16_copy)
+BF16_TENSORS = PrefillKernel(bf16_weight_copy, linear_on_bf16_copy, bf16_product)

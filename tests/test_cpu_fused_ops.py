@@ -62,9 +62,26 @@ def test_silu_and_mul(rows, inter):
     torch.testing.assert_close(ops.silu_and_mul(x), F.silu(gate) * up, rtol=2e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("rows,inter", [(1, 1536), (130, 1536), (3, 13)])
+def test_silu_and_mul_on_bf16_rows_is_the_fp32_result_rounded_once(rows, inter):
+    """bf16 in and out: the fp32 op on the widened input, rounded to bf16 as PyTorch rounds (bitwise; NaN any NaN),
+    the vector path and the scalar tail alike; and not the op computed in bf16."""
+    gen = _gen(rows * inter)
+    x = (torch.randn(rows, 2 * inter, generator=gen) * 6).bfloat16()
+    x[0, :3] = torch.tensor([float("nan"), float("inf"), float("-inf")])
+    got = ops.silu_and_mul(x)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, inter)
+    torch.testing.assert_close(got, ops.silu_and_mul(x.float()).bfloat16(), rtol=0, atol=0, equal_nan=True)
+    if rows > 1:
+        gate, up = x.split(inter, dim=-1)
+        assert not torch.equal(got[1:], (F.silu(gate) * up)[1:])  # bf16 arithmetic rounds twice
+
+
 def test_bad_shapes_are_refused():
     with pytest.raises(RuntimeError, match="2 \\* I"):
         ops.silu_and_mul(torch.randn(2, 3))
+    with pytest.raises(RuntimeError, match="fp32 or bf16"):
+        ops.silu_and_mul(torch.randn(2, 4).half())
     with pytest.raises(RuntimeError, match="hidden"):
         ops.rms_norm(torch.randn(2, 4), torch.ones(5), 1e-6)
     with pytest.raises(RuntimeError, match="unit stride"):

@@ -308,6 +308,48 @@ def test_dense_linear_takes_bf16_for_prompt_sized_rows_only(prefill):
 
 
 @needs_onednn_bf16
+def test_a_bf16_result_is_the_bf16_product_the_fp32_result_widens():
+    gen = torch.Generator().manual_seed(9)
+    layer = DenseLinear(64, 48)
+    layer.weight.data = torch.randn(48, 64, generator=gen)
+    layer.prepare(CpuBackend())
+    many = torch.randn(SKINNY_MAX_ROWS + 3, 64, generator=gen)
+    assert layer.use_prefill_kernel(BF16_TENSORS, bf16_result=True) and layer.prefill_bf16_result
+    got = layer(many)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, F.linear(many.bfloat16(), layer.weight.bfloat16()))
+    assert torch.equal(layer(many.bfloat16()), got)  # bf16 rows in: no second rounding
+    assert layer(many[:SKINNY_MAX_ROWS]).dtype == torch.float32  # decode-sized rows stay fp32
+    layer.use_prefill_kernel(BF16_TENSORS)
+    assert torch.equal(layer(many), got.float())
+    assert layer.use_prefill_kernel(BF16_MATH, bf16_result=True) and not layer.prefill_bf16_result  # fp32 results
+    biased = DenseLinear(64, 48, bias=True)
+    assert biased.use_prefill_kernel(BF16_TENSORS, bf16_result=True) and not biased.prefill_bf16_result
+
+
+@needs_onednn_bf16
+def test_bf16_gate_up_products_change_no_bit_of_the_model(tiny_models):
+    """Where the decoder ops take bf16 into silu_and_mul, the engine's bf16 prompt products hand the gate_up
+    product over in bf16: the hidden states are bitwise those of widening it first."""
+    from llmopt.loader import load
+    from llmopt.model.attention import EqualLengthAttention
+
+    loaded = load(str(tiny_models["llama"]), dtype="float32")
+    model = loaded.model
+    if not (model.ops.silu_and_mul_takes_bf16 and prefill_kernel("bf16") is BF16_TENSORS):
+        pytest.skip("the decoder ops here do not take bf16, or this CPU's bf16 products are not bf16 tensors")
+    assert model.use_fp32_matmul_precision("bf16")
+    gate_ups = [layer.mlp.gate_up_proj for layer in model.model.layers]
+    assert all(m.prefill_bf16_result for m in gate_ups)
+    assert not any(m.prefill_bf16_result for m in model.modules() if isinstance(m, DenseLinear) and m not in gate_ups)
+    ids = torch.randint(3, model.config.vocab_size, (2 * 150,), generator=torch.Generator().manual_seed(1))
+    positions = torch.arange(150).repeat(2)
+    bf16_hand_over = model(ids, positions, EqualLengthAttention(2, 150))
+    for m in gate_ups:
+        m.prefill_bf16_result = False
+    assert torch.equal(model(ids, positions, EqualLengthAttention(2, 150)), bf16_hand_over)
+
+
+@needs_onednn_bf16
 def test_the_engine_flag_reaches_every_dense_layer(tiny_models):
     from llmopt.loader import load
     from llmopt.runtime import LLM

@@ -7,6 +7,7 @@
 // in tests/test_cpu_fused_ops.py); only the summation order of the RMS differs.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
 #include <cmath>
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -112,29 +113,63 @@ void rotary_embedding_(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torc
   rotary_one(k, cos.data_ptr<float>(), sin.data_ptr<float>());
 }
 
-// x [rows, 2 * I] = [gate | up] -> silu(gate) * up [rows, I]
-torch::Tensor silu_and_mul(torch::Tensor x) {
-  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous() && x.size(1) % 2 == 0,
-              "silu_and_mul: x fp32 [rows, 2 * I] contiguous");
-  const int64_t n = x.size(0), I = x.size(1) / 2;
-  auto out = torch::empty({n, I}, x.options());
-  const float* xp = x.data_ptr<float>();
-  float* op = out.data_ptr<float>();
+// 8 bf16 values widened to fp32 (exact: the 16 bits shifted into the top of each lane)
+static inline __m256 load8_bf16(const c10::BFloat16* p) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
+}
+
+// 8 floats rounded to bf16 as c10::BFloat16 (and PyTorch's .to(torch.bfloat16)) rounds: to nearest even, NaN -> 0x7FC0
+static inline void store8_bf16(c10::BFloat16* p, __m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                   _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
+}
+
+static inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+static inline __m256 load8(const c10::BFloat16* p) { return load8_bf16(p); }
+static inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+static inline void store8(c10::BFloat16* p, __m256 v) { store8_bf16(p, v); }
+
+// rows of [gate | up] in T (float or bf16) -> silu(gate) * up in T, computed in fp32 (bf16: widened, then rounded once)
+template <typename T>
+static void silu_and_mul_rows(const T* xp, T* op, int64_t n, int64_t I) {
   at::parallel_for(0, n, grain_for(2 * I), [&](int64_t b, int64_t e) {
     const __m256 one = _mm256_set1_ps(1.f);
     for (int64_t r = b; r < e; ++r) {
-      const float* g = xp + r * 2 * I;
-      const float* u = g + I;
-      float* o = op + r * I;
+      const T* g = xp + r * 2 * I;
+      const T* u = g + I;
+      T* o = op + r * I;
       int64_t i = 0;
       for (; i + 8 <= I; i += 8) {
-        const __m256 gv = _mm256_loadu_ps(g + i);
+        const __m256 gv = load8(g + i);
         const __m256 sig = _mm256_div_ps(gv, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv))));
-        _mm256_storeu_ps(o + i, _mm256_mul_ps(sig, _mm256_loadu_ps(u + i)));
+        store8(o + i, _mm256_mul_ps(sig, load8(u + i)));
       }
-      for (; i < I; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+      for (; i < I; ++i) {
+        const float gi = static_cast<float>(g[i]);
+        o[i] = static_cast<T>(gi / (1.f + std::exp(-gi)) * static_cast<float>(u[i]));
+      }
     }
   });
+}
+
+// x [rows, 2 * I] = [gate | up] -> silu(gate) * up [rows, I], fp32 or bf16 in and out. bf16: what the fp32 op
+// gives on the widened input, rounded to bf16 (the bf16 product of a prompt-sized gate_up projection goes
+// straight to the down projection, which rounds its input to bf16 anyway)
+torch::Tensor silu_and_mul(torch::Tensor x) {
+  TORCH_CHECK((x.dtype() == torch::kFloat32 || x.dtype() == torch::kBFloat16) && x.dim() == 2 && x.is_contiguous() &&
+                  x.size(1) % 2 == 0,
+              "silu_and_mul: x fp32 or bf16 [rows, 2 * I] contiguous");
+  const int64_t n = x.size(0), I = x.size(1) / 2;
+  auto out = torch::empty({n, I}, x.options());
+  if (x.dtype() == torch::kBFloat16)
+    silu_and_mul_rows(x.data_ptr<c10::BFloat16>(), out.data_ptr<c10::BFloat16>(), n, I);
+  else
+    silu_and_mul_rows(x.data_ptr<float>(), out.data_ptr<float>(), n, I);
   return out;
 }
 

@@ -76,18 +76,22 @@ class DenseLinear(LinearBase):
         self.int8_weight: PackedInt8 | None = None
         self.int8_kernel: Callable | None = None
         self.prefill: PrefillKernel | None = None
+        self.prefill_bf16_result = False  # prompt-sized products returned as the kernel's bf16 rounding
         self.prefill_weight: torch.Tensor | None = None  # the prefill kernel's copy of the weight
 
     def prepare(self, backend: KernelBackend) -> None:
         """Once the weights are loaded: take the kernels the backend has for this weight."""
         self.skinny, self.onednn_weight = backend.dense_linear_kernels(self.weight)
 
-    def use_prefill_kernel(self, kernel: PrefillKernel | None) -> bool:
+    def use_prefill_kernel(self, kernel: PrefillKernel | None, bf16_result: bool = False) -> bool:
         """Prompt-sized products through `kernel` from now on (None: the plain path), where the weight is fp32
-        on CPU; returns whether they are."""
+        on CPU; returns whether they are. `bf16_result`: return them in bf16 where the kernel's result is a bf16
+        rounding anyway (`PrefillKernel.bf16_on_copy`) and there is no bias: the consumer takes bf16 rows."""
         w = self.weight
         self.prefill = kernel if w.device.type == "cpu" and w.dtype == torch.float32 else None
         self.prefill_weight = None
+        self.prefill_bf16_result = (bf16_result and self.prefill is not None and self.prefill.bf16_on_copy is not None
+                                    and self.bias is None)
         return self.prefill is not None
 
     def _prefill_weight(self) -> torch.Tensor:
@@ -137,7 +141,11 @@ class DenseLinear(LinearBase):
             out = self.skinny(x.reshape(rows, self.in_features).contiguous(), self.weight, self.bias)
             return out.view(*x.shape[:-1], self.out_features)
         if self.prefill is not None:
-            out = self.prefill.on_copy(x.reshape(rows, self.in_features), self._prefill_weight(), self.bias)
+            x2 = x.reshape(rows, self.in_features)
+            if self.prefill_bf16_result:
+                out = self.prefill.bf16_on_copy(x2, self._prefill_weight())
+            else:
+                out = self.prefill.on_copy(x2, self._prefill_weight(), self.bias)
             return out.view(*x.shape[:-1], self.out_features)
         if self.onednn_weight is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.onednn_weight, self.bias, "none", [], "")

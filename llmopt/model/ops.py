@@ -56,6 +56,9 @@ class DecoderOps:
     add_rms_norm: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]]
     rotary: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
     silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
+    # whether silu_and_mul also takes bf16 rows and returns bf16: its fp32 result on the widened input, rounded
+    # once (a prompt-sized gate_up product rounded to bf16 then goes to the down projection without conversions)
+    silu_and_mul_takes_bf16: bool = False
 
 
 REFERENCE_OPS = DecoderOps("reference", rms_norm, add_rms_norm, rotary, silu_and_mul)

@@ -104,4 +104,5 @@ def _fused_decoder_ops(fused) -> DecoderOps:
     def cpu_silu_and_mul(gate_up):
         return fused.silu_and_mul(gate_up.contiguous()) if gate_up.dim() == 2 else silu_and_mul(gate_up)
 
-    return DecoderOps(CpuBackend.name, cpu_rms_norm, cpu_add_rms_norm, cpu_rotary, cpu_silu_and_mul)
+    return DecoderOps(CpuBackend.name, cpu_rms_norm, cpu_add_rms_norm, cpu_rotary, cpu_silu_and_mul,
+                      silu_and_mul_takes_bf16=True)
