@@ -22,6 +22,8 @@ BLOCK_MIB, BLOCKS_PER_LAYER, LAYERS = 8, 5, 8
 
 SCRIPT = """
 import ctypes, ctypes.util, json, resource, sys
+# 4 KiB pages, so faults count pages whatever the machine's transparent huge page setting (PR_SET_THP_DISABLE)
+ctypes.CDLL(None, use_errno=True).prctl(41, 1, 0, 0, 0)
 from llmopt.core.memory import reuse_freed_memory
 reused = reuse_freed_memory() if sys.argv[1] == "reuse" else False
 block, per_layer, layers = int(sys.argv[2]) << 20, int(sys.argv[3]), int(sys.argv[4])
@@ -47,8 +49,10 @@ print(json.dumps({"reused": reused, "faults": resource.getrusage(resource.RUSAGE
 
 def _faults(mode: str) -> dict:
     args = [str(BLOCK_MIB), str(BLOCKS_PER_LAYER), str(LAYERS)]
+    # glibc's own settings from the environment (MALLOC_TRIM_THRESHOLD_ and the like) would change the defaults
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"}
     done = subprocess.run([sys.executable, "-c", SCRIPT, mode, *args], capture_output=True, text=True,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+                          env={**env, "OMP_NUM_THREADS": "1"}, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
