@@ -113,12 +113,6 @@ void rotary_embedding_(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torc
   rotary_one(k, cos.data_ptr<float>(), sin.data_ptr<float>());
 }
 
-// 8 bf16 values widened to fp32 (exact: the 16 bits shifted into the top of each lane)
-static inline __m256 load8_bf16(const c10::BFloat16* p) {
-  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
-}
-
 // 8 floats rounded to bf16 as c10::BFloat16 (and PyTorch's .to(torch.bfloat16)) rounds: to nearest even, NaN -> 0x7FC0
 static inline void store8_bf16(c10::BFloat16* p, __m256 v) {
   const __m256i bits = _mm256_castps_si256(v);
@@ -129,8 +123,6 @@ static inline void store8_bf16(c10::BFloat16* p, __m256 v) {
                    _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
 }
 
-static inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-static inline __m256 load8(const c10::BFloat16* p) { return load8_bf16(p); }
 static inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
 static inline void store8(c10::BFloat16* p, __m256 v) { store8_bf16(p, v); }
 

@@ -94,13 +94,7 @@ static inline float exp_shifted(float* s, int64_t n, float m) {
   return sum;
 }
 
-// 8 pool elements as 8 fp32 lanes
-static inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-// bf16 -> fp32 is exact: zero-extend each 16-bit value to 32 bits and shift it into the top half
-static inline __m256 load8(const c10::BFloat16* p) {
-  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
-}
+// 8 pool elements as 8 fp32 lanes: fp32 and bf16 through vec_math.h's load8, fp16 here
 #if defined(__F16C__)
 static inline __m256 load8(const c10::Half* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));

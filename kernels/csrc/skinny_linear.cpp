@@ -21,12 +21,7 @@
 #if defined(__AVX2__) && defined(__FMA__)
 #include "vec_math.h"
 
-// 8 weights as floats: fp32 as they are; bf16 widened (its bits are the top half of an fp32)
-static inline __m256 load8(const float* w) { return _mm256_loadu_ps(w); }
-static inline __m256 load8(const at::BFloat16* w) {
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
+// 8 weights as floats: vec_math.h's load8 (fp32 as they are; bf16 widened)
 static inline float to_float(float v) { return v; }
 static inline float to_float(at::BFloat16 v) { return static_cast<float>(v); }
 

@@ -1,6 +1,14 @@
 // Small AVX2 (and AVX-512) helpers shared by the CPU kernels (include only under __AVX2__ && __FMA__).
 #pragma once
+#include <c10/util/BFloat16.h>
 #include <immintrin.h>
+
+// 8 floats as 8 fp32 lanes; 8 bf16 values widened (exact: each 16 bits shifted into the top of an fp32)
+static inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+static inline __m256 load8(const c10::BFloat16* p) {
+  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
 
 // the sum of v's 8 lanes
 static inline float hsum8(__m256 v) {
