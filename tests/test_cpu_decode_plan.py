@@ -5,6 +5,7 @@ sliding windows, biases and 16-bit KV caches."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from llmopt.kernels.cpu_extension import cpu_ops
 from llmopt.quant.quantize import QuantizeRequest, quantize
@@ -30,15 +31,15 @@ def int4_models(tiny_models, tmp_path_factory):
     return out
 
 
-def generate_both_ways(spec: str, **engine) -> tuple[list, list]:
+def generate_both_ways(spec: str, prompts: list[str] = PROMPTS, **engine) -> tuple[list, list]:
     # no prefix caching: the second run would otherwise prefill only the prompts' last tokens
     llm = LLM(spec, max_num_seqs=8, enable_prefix_caching=False, **engine)
     runner = llm.engine.runner
     assert runner.decode_plan is not None and runner.decode_plan.num_layers() == llm.engine.loaded.config.num_hidden_layers
     params = SamplingParams(max_tokens=12, temperature=0, logprobs=3, ignore_eos=True)
-    with_plan = llm.generate(PROMPTS, params)
+    with_plan = llm.generate(prompts, params)
     runner.decode_plan = None
-    modules = llm.generate(PROMPTS, params)
+    modules = llm.generate(prompts, params)
     return with_plan, modules
 
 
@@ -66,6 +67,22 @@ def test_fp8_plan_matches_modules(tiny_models, tmp_path):
 
 def test_bf16_kv_plan_matches_modules(tiny_models):
     assert_identical(*generate_both_ways(str(tiny_models["llama"]), kv_cache_dtype="bfloat16"))
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_plan_past_one_attention_chunk_on_any_team(tiny_models, threads):
+    # contexts past one attention chunk (128 positions: the chunks' partial results are merged after a
+    # barrier of the plan's team) beside short ones, and teams of other sizes than this machine's
+    # threads (3 on 2 cores: the spin barriers must let a descheduled thread catch up)
+    prompts = [" ".join(["word"] * 36), "short", " ".join(["x y"] * 30), "hello there"]
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with_plan, modules = generate_both_ways(str(tiny_models["llama"]), prompts, kv_cache_dtype="float16")
+    finally:
+        torch.set_num_threads(before)
+    assert len(with_plan[0].prompt_token_ids) > 140
+    assert_identical(with_plan, modules)
 
 
 def test_no_plan_without_the_kernels(tiny_models, monkeypatch):

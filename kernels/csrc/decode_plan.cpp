@@ -6,29 +6,51 @@
 // int4 or FP8) once; `run` then does every layer of one decode step in a single call, with the GIL
 // released, through the same kernels and in the same order as the PyTorch modules
 // (llmopt/model/llama.py), so its hidden states are bitwise those of the module path.
+//
+// The step runs in one OpenMP parallel region (csrc/team.h): every thread goes through every layer,
+// takes its share of each projection's output rows and of the attention units, and meets the others
+// at a spin barrier where the next op needs all of the previous one's output. The small ops on a
+// row (the RMSNorms and residual adds) are done by every thread on its own copy of the residual
+// stream, so they need no barrier. A kernel per op with a parallel region each forked and joined
+// the threads five times a layer (~1.5 us each on 2 threads).
 #include <torch/extension.h>
 #include <pybind11/stl.h>
+#include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
+#include <omp.h>
+#include <algorithm>
 #include <vector>
+#include "paged_decode.h"
 #include "prefetch.h"
+#include "team.h"
 
-torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
-                           torch::Tensor context_lens, int64_t block_size, double scale, int64_t sliding_window);
-torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
-std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor w, double eps);
+void rms_norm_rows(const float* x, int64_t ldx, const float* w, float* out, int64_t n, int64_t h, float eps);
+void add_rms_norm_rows(const float* x, int64_t ldx, const float* residual, float* summed, const float* w, float* out,
+                       int64_t n, int64_t h, float eps);
+void silu_and_mul_rows_f32(const float* x, int64_t ldx, float* out, int64_t ldo, int64_t n, int64_t I, int64_t c0,
+                           int64_t c1);
 void rotary_rows_(float* xp, int64_t n, int64_t heads, int64_t D, int64_t s0, int64_t s1, const float* cp,
                   const float* sp);
-torch::Tensor silu_and_mul(torch::Tensor x);
-torch::Tensor int4_linear_next(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor zeros,
-                               int64_t out_features, int64_t group_size, c10::optional<torch::Tensor> perm,
-                               c10::optional<torch::Tensor> bias, const std::vector<WeightRegion>& next);
+void skinny_linear_check(const torch::Tensor& w, const c10::optional<torch::Tensor>& bias);
+void skinny_linear_share(const float* x, int64_t M, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias,
+                         float* out, int64_t ldo, int64_t share, int64_t shares);
+void int4_linear_check(const torch::Tensor& codes, const torch::Tensor& scales, const torch::Tensor& zeros,
+                       int64_t out_features, int64_t group_size, const c10::optional<torch::Tensor>& perm,
+                       const c10::optional<torch::Tensor>& bias);
+void int4_linear_share(const float* x, int64_t M, const torch::Tensor& codes, const torch::Tensor& scales,
+                       const torch::Tensor& zeros, int64_t out_features, int64_t group_size,
+                       const c10::optional<torch::Tensor>& perm, const c10::optional<torch::Tensor>& bias, float* out,
+                       int64_t ldo, int64_t share, int64_t shares, const std::vector<WeightRegion>& next);
 std::vector<WeightRegion> int4_weight_regions(const torch::Tensor& codes, const torch::Tensor& scales,
                                               const torch::Tensor& zeros);
-torch::Tensor fp8_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, c10::optional<torch::Tensor> bias);
+void fp8_linear_check(const torch::Tensor& codes, const torch::Tensor& scales, const c10::optional<torch::Tensor>& bias);
+void fp8_linear_share(const float* x, int64_t M, const torch::Tensor& codes, const torch::Tensor& scales,
+                      const c10::optional<torch::Tensor>& bias, float* out, int64_t ldo, int64_t share, int64_t shares);
 
 namespace {
+
+using llmopt_team::Team;
 
 // One projection as the module path runs it for a decode batch (rows <= the skinny limit):
 // fp32 or bf16 weights through skinny_linear, int4 through int4_linear, FP8 through fp8_linear.
@@ -37,7 +59,7 @@ struct LinearSpec {
   Kind kind = kDense;
   torch::Tensor weight;  // dense fp32 / bf16 [N, K]
   torch::Tensor codes, scales, zeros;  // int4: int4_linear's; FP8: e4m3 codes [N, K] and fp32 scales [N]
-  int64_t out_features = 0, group_size = 0;
+  int64_t in_features = 0, out_features = 0, group_size = 0;
   c10::optional<torch::Tensor> perm, bias;
 
   // the weights as prefetch regions (int4 only: the other kinds' kernels take no `next`)
@@ -45,12 +67,18 @@ struct LinearSpec {
     return kind == kInt4 ? int4_weight_regions(codes, scales, zeros) : std::vector<WeightRegion>{};
   }
 
-  // `next`: the projection that runs after this one (int4 kernels prefetch each thread's share of it)
-  torch::Tensor operator()(const torch::Tensor& x, const std::vector<WeightRegion>& next = {}) const {
+  // floats between output rows: int4 computes whole tiles of 8 rows
+  int64_t out_stride() const { return kind == kInt4 ? codes.size(0) * 8 : out_features; }
+
+  // this thread's share of y = x @ W.T + bias, x [M, in_features] contiguous, into out [M, out_stride()];
+  // `next`: the projection that runs after this one (int4 prefetches the thread's share of it)
+  void share(const Team& team, const float* x, int64_t M, float* out, const std::vector<WeightRegion>& next) const {
     switch (kind) {
-      case kInt4: return int4_linear_next(x, codes, scales, zeros, out_features, group_size, perm, bias, next);
-      case kFp8: return fp8_linear(x, codes, scales, bias);
-      default: return skinny_linear(x, weight, bias);
+      case kInt4:
+        return int4_linear_share(x, M, codes, scales, zeros, out_features, group_size, perm, bias, out, out_stride(),
+                                 team.rank, team.size, next);
+      case kFp8: return fp8_linear_share(x, M, codes, scales, bias, out, out_stride(), team.rank, team.size);
+      default: return skinny_linear_share(x, M, weight, bias, out, out_stride(), team.rank, team.size);
     }
   }
 };
@@ -65,30 +93,27 @@ struct LayerSpec {
   std::vector<WeightRegion> after_qkv, after_o, after_gate_up, after_down;
 };
 
-// The new token's K and V rows (row r of `k` / `v`, kv_size floats, rows `stride` apart) into layer
-// `layer` of the pools [layers, slots, kv heads, head dim] at slot_mapping[r]: what index_copy_ of
-// k.to(pool dtype) did, without its dispatch (~8 us a layer); the same conversion (c10's round to
-// nearest even for bf16 / fp16).
+// The new token's K and V rows (row r of `k` / `v`, kv_size floats, rows `stride` apart) for rows
+// [r0, r1) into a layer's pool [slots, kv heads, head dim] at slots[r]: what index_copy_ of
+// k.to(pool dtype) did, without its dispatch; the same conversion (c10's round to nearest even for
+// bf16 / fp16).
 template <typename T>
-void write_kv(torch::Tensor& pool, int64_t layer, const float* rows, int64_t stride, int64_t n, int64_t kv_size,
+void write_kv(void* pool, const float* rows, int64_t stride, int64_t r0, int64_t r1, int64_t kv_size,
               const int64_t* slots) {
-  const int64_t num_slots = pool.size(1);
-  T* base = pool.data_ptr<T>() + layer * num_slots * kv_size;
-  for (int64_t r = 0; r < n; ++r) {
-    TORCH_CHECK(slots[r] >= 0 && slots[r] < num_slots, "decode plan: slot ", slots[r], " outside the pool");
+  T* base = static_cast<T*>(pool);
+  for (int64_t r = r0; r < r1; ++r) {
     T* dst = base + slots[r] * kv_size;
     const float* src = rows + r * stride;
     for (int64_t i = 0; i < kv_size; ++i) dst[i] = static_cast<T>(src[i]);
   }
 }
 
-void write_kv_rows(torch::Tensor& pool, int64_t layer, const float* rows, int64_t stride, int64_t n, int64_t kv_size,
-                   const int64_t* slots) {
-  switch (pool.scalar_type()) {
-    case torch::kFloat32: return write_kv<float>(pool, layer, rows, stride, n, kv_size, slots);
-    case torch::kBFloat16: return write_kv<c10::BFloat16>(pool, layer, rows, stride, n, kv_size, slots);
-    case torch::kFloat16: return write_kv<c10::Half>(pool, layer, rows, stride, n, kv_size, slots);
-    default: TORCH_CHECK(false, "decode plan: K/V pools must be fp32, bf16 or fp16");
+void write_kv_rows(c10::ScalarType dtype, void* pool, const float* rows, int64_t stride, int64_t r0, int64_t r1,
+                   int64_t kv_size, const int64_t* slots) {
+  switch (dtype) {
+    case torch::kFloat32: return write_kv<float>(pool, rows, stride, r0, r1, kv_size, slots);
+    case torch::kBFloat16: return write_kv<c10::BFloat16>(pool, rows, stride, r0, r1, kv_size, slots);
+    default: return write_kv<c10::Half>(pool, rows, stride, r0, r1, kv_size, slots);
   }
 }
 
@@ -97,6 +122,18 @@ class DecodePlan {
   void add_layer(torch::Tensor input_norm, torch::Tensor post_norm, double eps, LinearSpec qkv, LinearSpec o,
                  LinearSpec gate_up, LinearSpec down, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                  int64_t sliding_window, double scale) {
+    TORCH_CHECK(input_norm.dtype() == torch::kFloat32 && post_norm.dtype() == torch::kFloat32 &&
+                    input_norm.is_contiguous() && post_norm.is_contiguous() && input_norm.dim() == 1 &&
+                    post_norm.sizes() == input_norm.sizes(),
+                "decode plan: fp32 norm weights [hidden]");
+    const int64_t hidden = input_norm.numel(), q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
+    TORCH_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0 && head_dim % 2 == 0,
+                "decode plan: heads a multiple of kv heads, an even head_dim");
+    TORCH_CHECK(qkv.in_features == hidden && qkv.out_features == q_size + 2 * kv_size && o.in_features == q_size &&
+                    o.out_features == hidden && gate_up.in_features == hidden && gate_up.out_features % 2 == 0 &&
+                    down.in_features == gate_up.out_features / 2 && down.out_features == hidden,
+                "decode plan: projection shapes do not fit the layer");
+    TORCH_CHECK(layers_.empty() || layers_.front().input_norm.numel() == hidden, "decode plan: one hidden size");
     LayerSpec layer{input_norm, post_norm, eps, qkv, o, gate_up, down, num_heads, num_kv_heads, head_dim,
                     sliding_window, scale};
     layer.after_qkv = o.regions();
@@ -115,47 +152,149 @@ class DecodePlan {
   torch::Tensor run(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, torch::Tensor k_caches,
                     torch::Tensor v_caches, torch::Tensor slot_mapping, torch::Tensor block_tables,
                     torch::Tensor context_lens, int64_t block_size) const {
-    const int64_t n = x.size(0);
+    TORCH_CHECK(!layers_.empty(), "decode plan: no layers");
+    const int64_t n = x.size(0), hidden = layers_.front().input_norm.numel();
+    TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.size(1) == hidden, "decode plan: x fp32 [n, hidden]");
     TORCH_CHECK(slot_mapping.dtype() == torch::kInt64 && slot_mapping.is_contiguous() && slot_mapping.numel() == n,
                 "decode plan: slot_mapping int64 [n]");
-    TORCH_CHECK(k_caches.is_contiguous() && v_caches.is_contiguous(), "decode plan: contiguous K/V pools");
+    TORCH_CHECK(k_caches.is_contiguous() && v_caches.is_contiguous() && k_caches.sizes() == v_caches.sizes() &&
+                    k_caches.dtype() == v_caches.dtype() && k_caches.dim() == 4 &&
+                    k_caches.size(0) == num_layers(),
+                "decode plan: contiguous K/V pools [layers, slots, kv heads, head dim] of one dtype");
+    const c10::ScalarType kv_dtype = k_caches.scalar_type();
+    TORCH_CHECK(kv_dtype == torch::kFloat32 || kv_dtype == torch::kBFloat16 || kv_dtype == torch::kFloat16,
+                "decode plan: K/V pools must be fp32, bf16 or fp16");
     TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.dtype() == torch::kFloat32 &&
                     sin.dtype() == torch::kFloat32 && cos.dim() == 2 && cos.size(0) == n && sin.sizes() == cos.sizes(),
                 "decode plan: cos, sin fp32 [n, head_dim] contiguous");
+    TORCH_CHECK(block_tables.dtype() == torch::kInt64 && context_lens.dtype() == torch::kInt64 &&
+                    block_tables.dim() == 2 && block_tables.size(0) == n && context_lens.numel() == n,
+                "decode plan: int64 block_tables [n, blocks] and context_lens [n]");
+    const int64_t num_slots = k_caches.size(1);
     const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+    for (int64_t r = 0; r < n; ++r)
+      TORCH_CHECK(slots[r] >= 0 && slots[r] < num_slots, "decode plan: slot ", slots[r], " outside the pool");
     x = x.contiguous();
-    torch::Tensor mlp_out;  // the previous layer's MLP output, not yet added to x
+    const torch::Tensor tables = block_tables.contiguous(), lens = context_lens.contiguous();
+
+    // shared buffers, each as wide as the widest layer needs; the attention units of each layer shape
+    int64_t qkv_w = 0, q_w = 0, o_w = 0, gu_w = 0, act_w = 0, down_w = 0;
+    // attention units: one set per layer shape (kv heads, group, head_dim, window), shared by its layers
+    struct Shape {
+      int64_t kv_heads, group, head_dim, window;
+      bool operator==(const Shape& o) const {
+        return kv_heads == o.kv_heads && group == o.group && head_dim == o.head_dim && window == o.window;
+      }
+    };
+    std::vector<Shape> shapes;
+    std::vector<PagedDecodeWork> works;
+    std::vector<size_t> layer_work(layers_.size());
     for (size_t i = 0; i < layers_.size(); ++i) {
       const LayerSpec& L = layers_[i];
-      const int64_t q_size = L.num_heads * L.head_dim, kv_size = L.num_kv_heads * L.head_dim;
       TORCH_CHECK(cos.size(1) == L.head_dim, "decode plan: cos, sin of ", cos.size(1), " columns, head_dim ", L.head_dim);
-      // attention block (Attention.forward + PagedAttentionBackend.forward, decode only)
-      torch::Tensor h;
-      if (mlp_out.defined()) {
-        std::vector<torch::Tensor> normed = add_rms_norm(mlp_out, x, L.input_norm, L.eps);
-        h = normed[0];
-        x = normed[1];
-      } else {
-        h = rms_norm(x, L.input_norm, L.eps);
+      TORCH_CHECK(k_caches.size(2) == L.num_kv_heads && k_caches.size(3) == L.head_dim,
+                  "decode plan: K/V pools do not fit layer ", i);
+      qkv_w = std::max(qkv_w, L.qkv.out_stride());
+      q_w = std::max(q_w, L.num_heads * L.head_dim);
+      o_w = std::max(o_w, L.o.out_stride());
+      gu_w = std::max(gu_w, L.gate_up.out_stride());
+      act_w = std::max(act_w, L.down.in_features);
+      down_w = std::max(down_w, L.down.out_stride());
+      const Shape shape{L.num_kv_heads, L.num_heads / L.num_kv_heads, L.head_dim, L.sliding_window};
+      const size_t w = std::find(shapes.begin(), shapes.end(), shape) - shapes.begin();
+      if (w == shapes.size()) {
+        shapes.push_back(shape);
+        works.push_back(paged_decode_work(lens.data_ptr<int64_t>(), n, shape.kv_heads, shape.group, shape.head_dim,
+                                          shape.window));
       }
-      torch::Tensor qkv = L.qkv(h, L.after_qkv);
-      float* qkv_p = qkv.data_ptr<float>();
-      const int64_t row = qkv.size(1);
-      rotary_rows_(qkv_p, n, L.num_heads, L.head_dim, row, L.head_dim, cos.data_ptr<float>(), sin.data_ptr<float>());
-      rotary_rows_(qkv_p + q_size, n, L.num_kv_heads, L.head_dim, row, L.head_dim, cos.data_ptr<float>(),
-                   sin.data_ptr<float>());
-      write_kv_rows(k_caches, i, qkv_p + q_size, row, n, kv_size, slots);
-      write_kv_rows(v_caches, i, qkv_p + q_size + kv_size, row, n, kv_size, slots);
-      torch::Tensor q = qkv.narrow(1, 0, q_size).view({n, L.num_heads, L.head_dim}).contiguous();
-      torch::Tensor attn = paged_decode(q, k_caches.select(0, i), v_caches.select(0, i), block_tables, context_lens,
-                                        block_size, L.scale, L.sliding_window);
-      h = L.o(attn.view({n, q_size}), L.after_o);
-      // MLP block (DecoderLayer.forward: residual add + norm, then x + mlp(h))
-      std::vector<torch::Tensor> normed = add_rms_norm(h, x, L.post_norm, L.eps);
-      x = normed[1];
-      mlp_out = L.down(silu_and_mul(L.gate_up(normed[0], L.after_gate_up)), L.after_down);
+      layer_work[i] = w;
     }
-    return mlp_out.defined() ? x + mlp_out : x;
+    const auto buffer = [&](int64_t width) { return std::vector<float>(n * std::max<int64_t>(width, 1)); };
+    std::vector<float> qkv = buffer(qkv_w), attn = buffer(q_w), o_out = buffer(o_w), gu = buffer(gu_w),
+                       act = buffer(act_w), mlp = buffer(down_w);
+    torch::Tensor out = torch::empty({n, hidden}, x.options());
+    const float* x_in = x.data_ptr<float>();
+    float* out_p = out.data_ptr<float>();
+    const int64_t layer_slots = num_slots * k_caches.size(2) * k_caches.size(3);
+    const int64_t element = static_cast<int64_t>(k_caches.element_size());
+    char* k_base = static_cast<char*>(k_caches.data_ptr());
+    char* v_base = static_cast<char*>(v_caches.data_ptr());
+    const float *cos_p = cos.data_ptr<float>(), *sin_p = sin.data_ptr<float>();
+
+    llmopt_team::Barrier barrier;
+    at::internal::lazy_init_num_threads();  // this thread's OpenMP team size: torch's thread count, as at::parallel_for
+#pragma omp parallel
+    {
+      const int64_t size = omp_get_num_threads();
+      barrier.set_size(size);
+      Team team{omp_get_thread_num(), size, barrier};
+      // this thread's copy of the residual stream and of the normed rows
+      std::vector<float> residual(x_in, x_in + n * hidden), h(n * hidden);
+      const float* pending = nullptr;  // the previous layer's MLP output, not yet added to the residual
+      int64_t pending_stride = 0;
+      for (size_t i = 0; i < layers_.size(); ++i) {
+        const LayerSpec& L = layers_[i];
+        const float eps = static_cast<float>(L.eps);
+        const int64_t D = L.head_dim, q_size = L.num_heads * D, kv_size = L.num_kv_heads * D;
+        // attention block (Attention.forward + PagedAttentionBackend.forward, decode only)
+        if (pending != nullptr)
+          add_rms_norm_rows(pending, pending_stride, residual.data(), residual.data(), L.input_norm.data_ptr<float>(),
+                            h.data(), n, hidden, eps);
+        else
+          rms_norm_rows(residual.data(), hidden, L.input_norm.data_ptr<float>(), h.data(), n, hidden, eps);
+        const int64_t row = L.qkv.out_stride();
+        L.qkv.share(team, h.data(), n, qkv.data(), L.after_qkv);
+        team.sync();
+        // rope on q and k in place, the new K/V rows into the pools: this thread's tokens
+        const llmopt_team::Range tokens = team.share(n);
+        if (tokens.begin < tokens.end) {
+          float* first = qkv.data() + tokens.begin * row;
+          const int64_t count = tokens.end - tokens.begin;
+          rotary_rows_(first, count, L.num_heads, D, row, D, cos_p + tokens.begin * D, sin_p + tokens.begin * D);
+          rotary_rows_(first + q_size, count, L.num_kv_heads, D, row, D, cos_p + tokens.begin * D,
+                       sin_p + tokens.begin * D);
+          write_kv_rows(kv_dtype, k_base + i * layer_slots * element, qkv.data() + q_size, row, tokens.begin,
+                        tokens.end, kv_size, slots);
+          write_kv_rows(kv_dtype, v_base + i * layer_slots * element, qkv.data() + q_size + kv_size, row,
+                        tokens.begin, tokens.end, kv_size, slots);
+        }
+        team.sync();
+        PagedDecodeWork& work = works[layer_work[i]];
+        const PagedDecodeArgs args{qkv.data(), row, k_base + i * layer_slots * element,
+                                   v_base + i * layer_slots * element, kv_dtype, tables.data_ptr<int64_t>(),
+                                   tables.size(1), block_size, static_cast<float>(L.scale), attn.data()};
+        const llmopt_team::Range units = team.share(static_cast<int64_t>(work.units.size()));
+        paged_decode_units(work, args, units.begin, units.end);
+        if (work.partials > 0) {
+          team.sync();
+          const llmopt_team::Range items = team.share(n * L.num_kv_heads);
+          paged_decode_merge(work, attn.data(), items.begin, items.end);
+        }
+        team.sync();
+        L.o.share(team, attn.data(), n, o_out.data(), L.after_o);
+        team.sync();
+        // MLP block (DecoderLayer.forward: residual add + norm, then x + mlp(h))
+        add_rms_norm_rows(o_out.data(), L.o.out_stride(), residual.data(), residual.data(),
+                          L.post_norm.data_ptr<float>(), h.data(), n, hidden, eps);
+        L.gate_up.share(team, h.data(), n, gu.data(), L.after_gate_up);
+        team.sync();
+        const int64_t I = L.down.in_features;
+        const llmopt_team::Range cols = team.share((I + 7) / 8);  // 8 columns at a time: the vector width
+        if (cols.begin < cols.end)
+          silu_and_mul_rows_f32(gu.data(), L.gate_up.out_stride(), act.data(), I, n, I, cols.begin * 8,
+                                std::min(I, cols.end * 8));
+        team.sync();
+        L.down.share(team, act.data(), n, mlp.data(), L.after_down);
+        team.sync();
+        pending = mlp.data();
+        pending_stride = L.down.out_stride();
+      }
+      if (team.rank == 0)
+        for (int64_t r = 0; r < n; ++r)
+          for (int64_t c = 0; c < hidden; ++c)
+            out_p[r * hidden + c] = residual[r * hidden + c] + pending[r * pending_stride + c];
+    }
+    return out;
   }
 
  private:
@@ -163,20 +302,21 @@ class DecodePlan {
 };
 
 LinearSpec dense_spec(torch::Tensor weight, c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() &&
-                  (weight.scalar_type() == torch::kFloat32 || weight.scalar_type() == torch::kBFloat16),
-              "dense_linear: contiguous fp32 or bf16 weight [N, K]");
+  skinny_linear_check(weight, bias);
   LinearSpec s;
   s.weight = weight;
   s.bias = bias;
+  s.in_features = weight.size(1);
   s.out_features = weight.size(0);
   return s;
 }
 
 LinearSpec int4_spec(torch::Tensor codes, torch::Tensor scales, torch::Tensor zeros, int64_t out_features,
                      int64_t group_size, c10::optional<torch::Tensor> perm, c10::optional<torch::Tensor> bias) {
+  int4_linear_check(codes, scales, zeros, out_features, group_size, perm, bias);
   LinearSpec s;
   s.kind = LinearSpec::kInt4;
+  s.in_features = codes.size(1) / 4;  // [N / 8, K * 4]
   s.codes = codes;
   s.scales = scales;
   s.zeros = zeros;
@@ -188,11 +328,10 @@ LinearSpec int4_spec(torch::Tensor codes, torch::Tensor scales, torch::Tensor ze
 }
 
 LinearSpec fp8_spec(torch::Tensor codes, torch::Tensor scales, c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(codes.dim() == 2 && codes.is_contiguous() && codes.scalar_type() == torch::kUInt8 &&
-                  scales.is_contiguous() && scales.scalar_type() == torch::kFloat32 && scales.numel() == codes.size(0),
-              "fp8_linear: contiguous e4m3 codes [N, K] as uint8 and fp32 scales [N]");
+  fp8_linear_check(codes, scales, bias);
   LinearSpec s;
   s.kind = LinearSpec::kFp8;
+  s.in_features = codes.size(1);
   s.codes = codes;
   s.scales = scales;
   s.bias = bias;

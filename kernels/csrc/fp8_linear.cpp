@@ -31,6 +31,7 @@
 #include <cstdint>
 
 #include "isa.h"
+#include "team.h"
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
@@ -75,15 +76,13 @@ void scalar_rows(const float* x, int64_t M, const uint8_t* w, int64_t K, const f
   for (int64_t m = 0; m < M; ++m) out[m * N + n] = tail(0.0f, x + m * K, w, 0, K) * 256.0f * scale[n];
 }
 
-// All N weight rows, NT at a time, split between the threads (each block of NT rows against every
-// row of x: `block(b)` computes it); the last N % NT rows one by one (`single(n)`).
+// Weight-row blocks [b0, b1) of NT rows (`block(n)` computes the block from row n against every row
+// of x) and, with `tail`, the last N % NT rows one by one (`single(n)`).
 template <int NT, typename Block, typename Single>
-void over_weight_rows(int64_t N, const Block& block, const Single& single) {
-  const int64_t blocks = N / NT;
-  at::parallel_for(0, blocks, kGrainBlocks, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) block(b * NT);
-  });
-  for (int64_t n = blocks * NT; n < N; ++n) single(n);
+void weight_blocks(int64_t N, int64_t b0, int64_t b1, bool tail, const Block& block, const Single& single) {
+  for (int64_t b = b0; b < b1; ++b) block(b * NT);
+  if (tail)
+    for (int64_t n = N / NT * NT; n < N; ++n) single(n);
 }
 
 #ifdef LLMOPT_FP8_AVX2
@@ -132,10 +131,11 @@ inline void rows8(const float* x, int64_t M, const uint8_t* w, int64_t K, const 
 // 6 weight rows x 2 x rows: 12 accumulators, as many as AVX2's 16 registers allow with the
 // operands; one x row (batch 1) streams 8 weight rows at a time.
 template <int NT>
-void avx2_all(const float* x, int64_t M, const uint8_t* w, int64_t K, const float* scale, float* out, int64_t N) {
-  over_weight_rows<NT>(
-      N, [&](int64_t n) { rows8<NT>(x, M, w + n * K, K, scale + n, out + n, N); },
-      [&](int64_t n) { rows8<1>(x, M, w + n * K, K, scale + n, out + n, N); });
+void avx2_blocks(const float* x, int64_t M, const uint8_t* w, int64_t K, const float* scale, float* out, int64_t ldo,
+                 int64_t N, int64_t b0, int64_t b1, bool tail) {
+  weight_blocks<NT>(
+      N, b0, b1, tail, [&](int64_t n) { rows8<NT>(x, M, w + n * K, K, scale + n, out + n, ldo); },
+      [&](int64_t n) { rows8<1>(x, M, w + n * K, K, scale + n, out + n, ldo); });
 }
 #endif
 
@@ -193,10 +193,11 @@ inline void rows16(const float* x, int64_t M, const uint8_t* w, int64_t K, const
 
 // 4 x rows by 6 weight rows: 24 of the 32 registers accumulate; batch 1 streams 8 weight rows
 template <int NT>
-void avx512_all(const float* x, int64_t M, const uint8_t* w, int64_t K, const float* scale, float* out, int64_t N) {
-  over_weight_rows<NT>(
-      N, [&](int64_t n) { rows16<NT>(x, M, w + n * K, K, scale + n, out + n, N); },
-      [&](int64_t n) { rows16<1>(x, M, w + n * K, K, scale + n, out + n, N); });
+void avx512_blocks(const float* x, int64_t M, const uint8_t* w, int64_t K, const float* scale, float* out, int64_t ldo,
+                   int64_t N, int64_t b0, int64_t b1, bool tail) {
+  weight_blocks<NT>(
+      N, b0, b1, tail, [&](int64_t n) { rows16<NT>(x, M, w + n * K, K, scale + n, out + n, ldo); },
+      [&](int64_t n) { rows16<1>(x, M, w + n * K, K, scale + n, out + n, ldo); });
 }
 #endif
 
@@ -213,7 +214,68 @@ int fp8_path() {
   return llmopt_isa::kScalar;
 }
 
+// Weight rows per block: 8 for one row of x (a batch-1 step streams them), 6 for tiles of several
+// rows (AVX-512: 4 x rows by 6, AVX2: 2 by 6), 1 on the scalar path
+int64_t rows_per_block(int path, int64_t M) { return path == llmopt_isa::kScalar ? 1 : (M == 1 ? 8 : 6); }
+
+// blocks [b0, b1) of rows_per_block(path, M) weight rows against every row of x into out (rows ldo
+// apart); with `tail` the last N % rows_per_block rows
+void fp8_part(int path, const float* xp, int64_t M, const uint8_t* wp, int64_t K, const float* sp, float* op,
+              int64_t ldo, int64_t N, int64_t b0, int64_t b1, bool tail) {
+  switch (path) {
+#ifdef LLMOPT_FP8_AVX512
+    case llmopt_isa::kAvx512:
+      if (M == 1)
+        avx512_blocks<8>(xp, M, wp, K, sp, op, ldo, N, b0, b1, tail);
+      else
+        avx512_blocks<6>(xp, M, wp, K, sp, op, ldo, N, b0, b1, tail);
+      return;
+#endif
+#ifdef LLMOPT_FP8_AVX2
+    case llmopt_isa::kAvx2:
+      if (M == 1)
+        avx2_blocks<8>(xp, M, wp, K, sp, op, ldo, N, b0, b1, tail);
+      else
+        avx2_blocks<6>(xp, M, wp, K, sp, op, ldo, N, b0, b1, tail);
+      return;
+#endif
+    default:
+      for (int64_t n = b0; n < b1; ++n) scalar_rows(xp, M, wp + n * K, K, sp, op, ldo, n);
+  }
+}
+
 }  // namespace
+
+// The decode plan's team (csrc/team.h): share `share` of `shares` of y = x @ (codes * scale).T + bias into
+// out [M, ldo], the blocks split as fp8_linear splits them; the first share also takes the last rows.
+// x [M, K] fp32 contiguous; the weights as fp8_linear_check passed them.
+void fp8_linear_share(const float* x, int64_t M, const torch::Tensor& codes, const torch::Tensor& scales,
+                      const c10::optional<torch::Tensor>& bias, float* out, int64_t ldo, int64_t share, int64_t shares) {
+  const int64_t N = codes.size(0), K = codes.size(1);
+  const int path = fp8_path();
+  const int64_t nt = rows_per_block(path, M);
+  const llmopt_team::Range r = llmopt_team::split(N / nt, kGrainBlocks, share, shares);
+  const bool tail = share == 0;
+  fp8_part(path, x, M, codes.data_ptr<uint8_t>(), K, scales.data_ptr<float>(), out, ldo, N, r.begin, r.end, tail);
+  if (bias.has_value()) {
+    const float* b = bias->data_ptr<float>();
+    const auto add = [&](int64_t c0, int64_t c1) {
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t c = c0; c < c1; ++c) out[m * ldo + c] += b[c];
+    };
+    add(r.begin * nt, r.end * nt);
+    if (tail) add(N / nt * nt, N);
+  }
+}
+
+void fp8_linear_check(const torch::Tensor& codes, const torch::Tensor& scales, const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(codes.dim() == 2 && codes.is_contiguous() && codes.scalar_type() == torch::kUInt8 &&
+                  scales.is_contiguous() && scales.scalar_type() == torch::kFloat32 && scales.numel() == codes.size(0),
+              "fp8_linear: contiguous e4m3 codes [N, K] as uint8 and fp32 scales [N]");
+  if (bias.has_value())
+    TORCH_CHECK(bias->dtype() == torch::kFloat32 && bias->is_contiguous() && bias->numel() == codes.size(0),
+                "fp8_linear: bias fp32 [N]");
+}
 
 std::string fp8_linear_path() { return llmopt_isa::isa_name(fp8_path()); }
 
@@ -227,32 +289,14 @@ torch::Tensor fp8_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor sca
   TORCH_CHECK(x.is_contiguous() && codes.is_contiguous() && scales.is_contiguous(), "fp8_linear: contiguous inputs");
   const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
   auto out = torch::empty({M, N}, x.options());
-  const float* xp = x.data_ptr<float>();
-  const uint8_t* wp = codes.data_ptr<uint8_t>();
-  const float* sp = scales.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  switch (fp8_path()) {
-#ifdef LLMOPT_FP8_AVX512
-    case llmopt_isa::kAvx512:
-      if (M == 1)
-        avx512_all<8>(xp, M, wp, K, sp, op, N);
-      else
-        avx512_all<6>(xp, M, wp, K, sp, op, N);
-      break;
-#endif
-#ifdef LLMOPT_FP8_AVX2
-    case llmopt_isa::kAvx2:
-      if (M == 1)
-        avx2_all<8>(xp, M, wp, K, sp, op, N);
-      else
-        avx2_all<6>(xp, M, wp, K, sp, op, N);
-      break;
-#endif
-    default:
-      at::parallel_for(0, N, kGrainBlocks, [&](int64_t begin, int64_t end) {
-        for (int64_t n = begin; n < end; ++n) scalar_rows(xp, M, wp + n * K, K, sp, op, N, n);
-      });
-  }
+  const int path = fp8_path();
+  const int64_t nt = rows_per_block(path, M);
+  at::parallel_for(0, N / nt, kGrainBlocks, [&](int64_t begin, int64_t end) {
+    fp8_part(path, x.data_ptr<float>(), M, codes.data_ptr<uint8_t>(), K, scales.data_ptr<float>(), out.data_ptr<float>(),
+             N, N, begin, end, false);
+  });
+  fp8_part(path, x.data_ptr<float>(), M, codes.data_ptr<uint8_t>(), K, scales.data_ptr<float>(), out.data_ptr<float>(), N,
+           N, 0, 0, true);
   if (bias.has_value()) out.add_(bias.value());
   return out;
 }

@@ -38,6 +38,28 @@ static void check_rows(const torch::Tensor& x, const torch::Tensor& w, const cha
 
 bool fused_ops_available() { return true; }
 
+// The row loops of rms_norm and add_rms_norm on raw rows, on the calling thread (the decode plan's
+// team runs them on every thread, each on its own copy of the residual stream): one compiled
+// instance for both callers, so the plan's rows are bitwise the module path's.
+// x rows `ldx` floats apart -> out [n, h]
+__attribute__((noinline)) void rms_norm_rows(const float* x, int64_t ldx, const float* w, float* out, int64_t n,
+                                             int64_t h, float eps) {
+  for (int64_t r = 0; r < n; ++r) rms_norm_row(x + r * ldx, w, out + r * h, h, eps);
+}
+
+// summed [n, h] = residual [n, h] + x (rows `ldx` floats apart; summed may be residual), then
+// out [n, h] = w * norm(summed)
+__attribute__((noinline)) void add_rms_norm_rows(const float* x, int64_t ldx, const float* residual, float* summed,
+                                                 const float* w, float* out, int64_t n, int64_t h, float eps) {
+  for (int64_t r = 0; r < n; ++r) {
+    float* s = summed + r * h;
+    const float* res = residual + r * h;
+    const float* xr = x + r * ldx;
+    for (int64_t i = 0; i < h; ++i) s[i] = res[i] + xr[i];
+    rms_norm_row(s, w, out + r * h, h, eps);
+  }
+}
+
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
   check_rows(x, w, "rms_norm");
   const int64_t n = x.size(0), h = x.size(1);
@@ -45,7 +67,7 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
   const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, n, grain_for(h), [&](int64_t b, int64_t e) {
-    for (int64_t r = b; r < e; ++r) rms_norm_row(xp + r * h, wp, op + r * h, h, static_cast<float>(eps));
+    rms_norm_rows(xp + b * h, h, wp, op + b * h, e - b, h, static_cast<float>(eps));
   });
   return out;
 }
@@ -61,10 +83,7 @@ std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor residual,
   const float *xp = x.data_ptr<float>(), *rp = residual.data_ptr<float>(), *wp = w.data_ptr<float>();
   float *sp = summed.data_ptr<float>(), *op = out.data_ptr<float>();
   at::parallel_for(0, n, grain_for(h), [&](int64_t b, int64_t e) {
-    for (int64_t r = b; r < e; ++r) {
-      for (int64_t i = 0; i < h; ++i) sp[r * h + i] = rp[r * h + i] + xp[r * h + i];
-      rms_norm_row(sp + r * h, wp, op + r * h, h, static_cast<float>(eps));
-    }
+    add_rms_norm_rows(xp + b * h, h, rp + b * h, sp + b * h, wp, op + b * h, e - b, h, static_cast<float>(eps));
   });
   return {out, summed};
 }
@@ -126,26 +145,41 @@ static inline void store8_bf16(c10::BFloat16* p, __m256 v) {
 static inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
 static inline void store8(c10::BFloat16* p, __m256 v) { store8_bf16(p, v); }
 
-// rows of [gate | up] in T (float or bf16) -> silu(gate) * up in T, computed in fp32 (bf16: widened, then rounded once)
+// columns [c0, c1) of silu(gate) * up for n rows of [gate | up] in T (float or bf16; rows `ldx` apart) into
+// out (rows `ldo` apart), computed in fp32 (bf16: widened, then rounded once). c0 a multiple of 8 and c1
+// one or I: each column takes the vector or the scalar code as it does over the whole row.
+template <typename T>
+static void silu_and_mul_cols(const T* xp, int64_t ldx, T* op, int64_t ldo, int64_t n, int64_t I, int64_t c0,
+                              int64_t c1) {
+  const __m256 one = _mm256_set1_ps(1.f);
+  for (int64_t r = 0; r < n; ++r) {
+    const T* g = xp + r * ldx;
+    const T* u = g + I;
+    T* o = op + r * ldo;
+    int64_t i = c0;
+    for (; i + 8 <= c1; i += 8) {
+      const __m256 gv = load8(g + i);
+      const __m256 sig = _mm256_div_ps(gv, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv))));
+      store8(o + i, _mm256_mul_ps(sig, load8(u + i)));
+    }
+    for (; i < c1; ++i) {
+      const float gi = static_cast<float>(g[i]);
+      o[i] = static_cast<T>(gi / (1.f + std::exp(-gi)) * static_cast<float>(u[i]));
+    }
+  }
+}
+
+// fp32 rows for the decode plan's team (columns [c0, c1), as above)
+void silu_and_mul_rows_f32(const float* x, int64_t ldx, float* out, int64_t ldo, int64_t n, int64_t I, int64_t c0,
+                           int64_t c1) {
+  silu_and_mul_cols(x, ldx, out, ldo, n, I, c0, c1);
+}
+
+// rows of [gate | up] in T -> silu(gate) * up in T
 template <typename T>
 static void silu_and_mul_rows(const T* xp, T* op, int64_t n, int64_t I) {
   at::parallel_for(0, n, grain_for(2 * I), [&](int64_t b, int64_t e) {
-    const __m256 one = _mm256_set1_ps(1.f);
-    for (int64_t r = b; r < e; ++r) {
-      const T* g = xp + r * 2 * I;
-      const T* u = g + I;
-      T* o = op + r * I;
-      int64_t i = 0;
-      for (; i + 8 <= I; i += 8) {
-        const __m256 gv = load8(g + i);
-        const __m256 sig = _mm256_div_ps(gv, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv))));
-        store8(o + i, _mm256_mul_ps(sig, load8(u + i)));
-      }
-      for (; i < I; ++i) {
-        const float gi = static_cast<float>(g[i]);
-        o[i] = static_cast<T>(gi / (1.f + std::exp(-gi)) * static_cast<float>(u[i]));
-      }
-    }
+    silu_and_mul_cols(xp + b * 2 * I, 2 * I, op + b * I, I, e - b, I, 0, I);
   });
 }
 
@@ -177,5 +211,8 @@ void rotary_rows_(float*, int64_t, int64_t, int64_t, int64_t, int64_t, const flo
   TORCH_CHECK(false, "built without AVX2/FMA");
 }
 torch::Tensor silu_and_mul(torch::Tensor) { TORCH_CHECK(false, "built without AVX2/FMA"); }
+void rms_norm_rows(const float*, int64_t, const float*, float*, int64_t, int64_t, float) {}
+void add_rms_norm_rows(const float*, int64_t, const float*, float*, const float*, float*, int64_t, int64_t, float) {}
+void silu_and_mul_rows_f32(const float*, int64_t, float*, int64_t, int64_t, int64_t, int64_t, int64_t) {}
 
 #endif

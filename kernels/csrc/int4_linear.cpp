@@ -43,6 +43,7 @@
 #include <vector>
 #include "isa.h"
 #include "prefetch.h"
+#include "team.h"
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -611,34 +612,8 @@ bool int4_linear_simd() {
 #endif
 }
 
-// Each thread's share of `next` (the weights of the projection that runs after this one): the same
-// fraction of each region as its tiles are of this one's, at most kNextPrefetch bytes of it from the
-// start of that share. The decode plan passes them: after a projection come a few microseconds of
-// small ops (norms, rope, attention) on the calling thread while the memory system would sit idle, and
-// with a static split the same thread takes the same fraction of the next projection's tiles.
-constexpr int64_t kNextPrefetch = 16384;
-
-static void prefetch_share(const std::vector<WeightRegion>& next, int64_t begin, int64_t end, int64_t total) {
-  for (const WeightRegion& region : next) {
-    const int64_t from = region.bytes * begin / total, to = region.bytes * end / total;
-    llmopt_prefetch::prefetch_span(region.data + from, std::min(to - from, region.max_bytes));
-  }
-}
-
-std::vector<WeightRegion> int4_weight_regions(const torch::Tensor& codes, const torch::Tensor& scales,
-                                              const torch::Tensor& zeros) {
-  const auto region = [](const torch::Tensor& t, int64_t max_bytes) {
-    return WeightRegion{static_cast<const char*>(t.data_ptr()), t.numel() * static_cast<int64_t>(t.element_size()),
-                        max_bytes};
-  };
-  return {region(codes, kNextPrefetch), region(scales, kNextPrefetch / 8), region(zeros, kNextPrefetch / 8)};
-}
-
-torch::Tensor int4_linear_next(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor zeros,
-                               int64_t out_features, int64_t group_size, c10::optional<torch::Tensor> perm,
-                               c10::optional<torch::Tensor> bias, const std::vector<WeightRegion>& next) {
-  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(), "int4_linear: x fp32 [M, K] contiguous");
-  const int64_t M = x.size(0), K = x.size(1);
+static void check_int4(int64_t K, const torch::Tensor& codes, const torch::Tensor& scales, const torch::Tensor& zeros,
+                       int64_t out_features, int64_t group_size, const c10::optional<torch::Tensor>& perm) {
   TORCH_CHECK(codes.dtype() == torch::kUInt8 && codes.dim() == 2 && codes.is_contiguous() && codes.size(1) * 2 == K * kTile,
               "int4_linear: codes uint8 [N / 8, K * 4] contiguous");
   const int64_t tiles = codes.size(0), N = out_features;
@@ -653,38 +628,104 @@ torch::Tensor int4_linear_next(torch::Tensor x, torch::Tensor codes, torch::Tens
   TORCH_CHECK(scales.is_contiguous() && zeros.is_contiguous() && scales.numel() == tiles * kTile * groups &&
                   zeros.numel() == tiles * kTile * groups,
               "int4_linear: scales and zeros [N / 8, K / group_size, 8] contiguous");
-  const int64_t* perm_ptr = nullptr;
-  if (perm.has_value()) {
+  if (perm.has_value())
     TORCH_CHECK(perm->dtype() == torch::kInt64 && perm->numel() == K && perm->is_contiguous(), "int4_linear: perm int64 [K]");
-    perm_ptr = perm->data_ptr<int64_t>();
+}
+
+static Int4Weights int4_weights(const torch::Tensor& codes, const torch::Tensor& scales, const torch::Tensor& zeros,
+                                int64_t group_size) {
+  const int64_t K = codes.size(1) * 2 / kTile;
+  return Int4Weights{codes.data_ptr<uint8_t>(), scales.data_ptr(), zeros.data_ptr(), K, K / group_size,
+                     group_size / kBlock, scales.dtype() == torch::kFloat16};
+}
+
+// x [M, K] quantized for the weights' groups (padded to whole AMX tiles where that path runs)
+static QuantizedRows quantize_for(int isa, const float* x, int64_t M, const Int4Weights& W,
+                                  const c10::optional<torch::Tensor>& perm) {
+  const bool amx = isa >= kAmx && M >= kAmxMinRows;
+  const int64_t rows = amx ? (M + kAmxRows - 1) / kAmxRows * kAmxRows : M;
+  return quantize_rows(x, M, W.K, W.group_blocks, perm.has_value() ? perm->data_ptr<int64_t>() : nullptr, rows, isa);
+}
+
+void int4_linear_check(const torch::Tensor& codes, const torch::Tensor& scales, const torch::Tensor& zeros,
+                       int64_t out_features, int64_t group_size, const c10::optional<torch::Tensor>& perm,
+                       const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(codes.dim() == 2, "int4_linear: codes uint8 [N / 8, K * 4] contiguous");
+  check_int4(codes.size(1) * 2 / kTile, codes, scales, zeros, out_features, group_size, perm);
+  if (bias.has_value())
+    TORCH_CHECK(bias->dtype() == torch::kFloat32 && bias->is_contiguous() && bias->numel() == out_features,
+                "int4_linear: bias fp32 [out_features]");
+}
+
+std::vector<WeightRegion> int4_weight_regions(const torch::Tensor& codes, const torch::Tensor& scales,
+                                              const torch::Tensor& zeros);
+
+// The decode plan's team (csrc/team.h): share `share` of `shares` of y = x @ dequant(W).T + bias into
+// out [M, ldo] (ldo: the padded width, codes.size(0) * 8), in pairs of tiles as int4_linear splits them;
+// x [M, K] fp32 contiguous, quantized by the calling thread. Then the thread prefetches its share of
+// `next` (the weights of the projection after this one): after a projection come microseconds of small
+// ops (norms, rope, attention) while the memory system would sit idle, and the same thread takes the
+// same fraction of the next projection's tiles. Arguments as int4_linear_check passed them.
+constexpr int64_t kNextPrefetch = 16384;  // bytes of each region of `next`, from the start of the share
+
+void int4_linear_share(const float* x, int64_t M, const torch::Tensor& codes, const torch::Tensor& scales,
+                       const torch::Tensor& zeros, int64_t out_features, int64_t group_size,
+                       const c10::optional<torch::Tensor>& perm, const c10::optional<torch::Tensor>& bias, float* out,
+                       int64_t ldo, int64_t share, int64_t shares, const std::vector<WeightRegion>& next) {
+  const int64_t tiles = codes.size(0), pairs = (tiles + 1) / 2;
+  const llmopt_team::Range r = llmopt_team::split(pairs, 2, share, shares);
+  if (M > 0 && r.begin < r.end) {
+    const int isa = llmopt_isa::active_isa();
+    const Int4Weights W = int4_weights(codes, scales, zeros, group_size);
+    const QuantizedRows X = quantize_for(isa, x, M, W, perm);
+    const int64_t t0 = 2 * r.begin, t1 = std::min(2 * r.end, tiles);
+    int4_tiles(isa, W, t0, t1, X, M, out, ldo);
+    if (bias.has_value()) {
+      const float* b = bias->data_ptr<float>();
+      const int64_t c1 = std::min(t1 * kTile, out_features);
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t c = t0 * kTile; c < c1; ++c) out[m * ldo + c] += b[c];
+    }
   }
+  for (const WeightRegion& region : next) {
+    const int64_t from = region.bytes * r.begin / pairs, to = region.bytes * r.end / pairs;
+    llmopt_prefetch::prefetch_span(region.data + from, std::min(to - from, region.max_bytes));
+  }
+}
+
+std::vector<WeightRegion> int4_weight_regions(const torch::Tensor& codes, const torch::Tensor& scales,
+                                              const torch::Tensor& zeros) {
+  const auto region = [](const torch::Tensor& t, int64_t max_bytes) {
+    return WeightRegion{static_cast<const char*>(t.data_ptr()), t.numel() * static_cast<int64_t>(t.element_size()),
+                        max_bytes};
+  };
+  return {region(codes, kNextPrefetch), region(scales, kNextPrefetch / 8), region(zeros, kNextPrefetch / 8)};
+}
+
+torch::Tensor int4_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor zeros,
+                          int64_t out_features, int64_t group_size, c10::optional<torch::Tensor> perm,
+                          c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(), "int4_linear: x fp32 [M, K] contiguous");
+  const int64_t M = x.size(0), K = x.size(1);
+  check_int4(K, codes, scales, zeros, out_features, group_size, perm);
+  const int64_t tiles = codes.size(0), N = out_features;
   // an output width that is not a multiple of 8 computes the padded rows and drops them
   auto padded = torch::empty({M, tiles * kTile}, x.options());
   if (M > 0) {
     const int isa = llmopt_isa::active_isa();
-    const bool amx = isa >= kAmx && M >= kAmxMinRows;
-    const int64_t rows = amx ? (M + kAmxRows - 1) / kAmxRows * kAmxRows : M;
-    const QuantizedRows X = quantize_rows(x.data_ptr<float>(), M, K, group_size / kBlock, perm_ptr, rows, isa);
-    const Int4Weights W{codes.data_ptr<uint8_t>(), scales.data_ptr(), zeros.data_ptr(), K, groups, group_size / kBlock,
-                        compact};
+    const Int4Weights W = int4_weights(codes, scales, zeros, group_size);
+    const QuantizedRows X = quantize_for(isa, x.data_ptr<float>(), M, W, perm);
     float* op = padded.data_ptr<float>();
     const int64_t ldo = tiles * kTile;
     // work in pairs of tiles (the wide paths' unit)
     const int64_t pairs = (tiles + 1) / 2;
     at::parallel_for(0, pairs, 2, [&](int64_t begin, int64_t end) {
       int4_tiles(isa, W, 2 * begin, std::min(2 * end, tiles), X, M, op, ldo);
-      prefetch_share(next, begin, end, pairs);
     });
   }
   auto out = N == tiles * kTile ? padded : padded.narrow(1, 0, N).contiguous();
   if (bias.has_value()) out.add_(bias.value());
   return out;
-}
-
-torch::Tensor int4_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor zeros,
-                          int64_t out_features, int64_t group_size, c10::optional<torch::Tensor> perm,
-                          c10::optional<torch::Tensor> bias) {
-  return int4_linear_next(x, codes, scales, zeros, out_features, group_size, perm, bias, {});
 }
 
 // y = x @ (codes * scale).T: symmetric 8-bit weights, one scale per row and 32 columns (Q8_0);

@@ -14,6 +14,7 @@
 #include <cmath>
 #include <limits>
 #include <vector>
+#include "paged_decode.h"
 
 // Each (sequence, kv head) item: `rows[i]` is the element offset of the i-th attended position's
 // key (and value) row for that head in the pool; G query heads share those rows.
@@ -248,109 +249,112 @@ static constexpr bool kHaveAvx2 = false;
 // without chunks.
 static constexpr int64_t kChunk = 128;
 
-struct Unit {
-  int64_t b, kh;       // the item
-  int64_t start, n;    // its attended positions [start, start + n)
-  int64_t partial;     // index of its partial result, or -1: the item's only chunk, written to out
-};
-
-// One pool element type T: out [B, H, D] for q [B, H, D], pools [slots, KVH, D] of T
-template <typename T>
-static void decode(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-                   const torch::Tensor& tables, const torch::Tensor& lens, int64_t block_size, double scale,
-                   int64_t sliding_window, torch::Tensor& out) {
-  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
-  const int64_t KVH = k_cache.size(1), G = H / KVH, W = tables.size(1);
-  const float* qp = q.data_ptr<float>();
-  const T* kp = k_cache.data_ptr<T>();
-  const T* vp = v_cache.data_ptr<T>();
-  const int64_t* bt = tables.data_ptr<int64_t>();
-  const int64_t* lp = lens.data_ptr<int64_t>();
-  float* op = out.data_ptr<float>();
-  const bool vectorised = kHaveAvx2 && D % 8 == 0;
-
-  std::vector<Unit> units;
-  std::vector<int64_t> first_partial(B * KVH, -1), num_chunks(B * KVH, 1);
-  int64_t partials = 0;
+PagedDecodeWork paged_decode_work(const int64_t* lens, int64_t B, int64_t KVH, int64_t G, int64_t D,
+                                  int64_t sliding_window) {
+  PagedDecodeWork w;
+  w.B = B;
+  w.KVH = KVH;
+  w.G = G;
+  w.D = D;
+  w.first_partial.assign(B * KVH, -1);
+  w.num_chunks.assign(B * KVH, 1);
   for (int64_t b = 0; b < B; ++b) {
-    const int64_t len = lp[b];
+    const int64_t len = lens[b];
     const int64_t start = sliding_window > 0 ? std::max<int64_t>(0, len - sliding_window) : 0;
     const int64_t n = len - start, chunks = std::max<int64_t>(1, (n + kChunk - 1) / kChunk);
     for (int64_t kh = 0; kh < KVH; ++kh) {
       if (chunks == 1) {
-        units.push_back({b, kh, start, n, -1});
+        w.units.push_back({b, kh, start, n, -1});
         continue;
       }
-      first_partial[b * KVH + kh] = partials;
-      num_chunks[b * KVH + kh] = chunks;
+      w.first_partial[b * KVH + kh] = w.partials;
+      w.num_chunks[b * KVH + kh] = chunks;
       for (int64_t c = 0; c < chunks; ++c)
-        units.push_back({b, kh, start + c * kChunk, std::min(kChunk, n - c * kChunk), partials++});
+        w.units.push_back({b, kh, start + c * kChunk, std::min(kChunk, n - c * kChunk), w.partials++});
     }
   }
   // per partial: G maxes, G sums, G * D unnormalised outputs
-  std::vector<float> part_max(partials * G), part_sum(partials * G), part_out(partials * G * D);
+  w.part_max.resize(w.partials * G);
+  w.part_sum.resize(w.partials * G);
+  w.part_out.resize(w.partials * G * D);
+  return w;
+}
 
-  at::parallel_for(0, static_cast<int64_t>(units.size()), 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, maxes(G), sums(G), ones(G, 1.f);
-    std::vector<int64_t> rows;
-    for (int64_t u = begin; u < end; ++u) {
-      const Unit& unit = units[u];
-      const int64_t b = unit.b, kh = unit.kh, n = unit.n, stop_at = unit.start + n;
-      const int64_t* table = bt + b * W;
-      // walk the block table once: where each attended position's row of this kv head is
-      rows.resize(n);
-      for (int64_t t = unit.start; t < stop_at;) {
-        const int64_t block = t / block_size, stop = std::min(stop_at, (block + 1) * block_size);
-        int64_t row = ((table[block] * block_size + t - block * block_size) * KVH + kh) * D;
-        for (; t < stop; ++t, row += KVH * D) rows[t - unit.start] = row;
-      }
-      const Item it{qp + (b * H + kh * G) * D, rows.data(), n, G, D, static_cast<float>(scale)};
-      scores.resize(G * n);  // [G][n]: each head's scores contiguous for the softmax
-      std::fill(maxes.begin(), maxes.end(), -std::numeric_limits<float>::infinity());
-      if (vectorised)
-        scores_avx2(it, kp, vp, scores.data(), maxes.data());
-      else
-        scores_generic(it, kp, scores.data(), maxes.data());
-      for (int64_t g = 0; g < G; ++g) sums[g] = exp_shifted(scores.data() + g * n, n, maxes[g]);
-      // the only chunk: normalised into out; else unnormalised into its partial
-      const bool whole = unit.partial < 0;
-      float* o = whole ? op + (b * H + kh * G) * D : part_out.data() + unit.partial * G * D;
-      const float* divisors = whole ? sums.data() : ones.data();
-      if (vectorised)
-        values_avx2(it, vp, scores.data(), divisors, o);
-      else
-        values_generic(it, vp, scores.data(), divisors, o);
-      if (!whole)
-        for (int64_t g = 0; g < G; ++g) {
-          part_max[unit.partial * G + g] = maxes[g];
-          part_sum[unit.partial * G + g] = sums[g];
-        }
+// units [u0, u1) with pool element type T
+template <typename T>
+static void attend(PagedDecodeWork& w, const PagedDecodeArgs& a, int64_t u0, int64_t u1) {
+  const int64_t G = w.G, D = w.D, KVH = w.KVH, H = KVH * G;
+  const T* kp = static_cast<const T*>(a.k);
+  const T* vp = static_cast<const T*>(a.v);
+  const bool vectorised = kHaveAvx2 && D % 8 == 0;
+  std::vector<float> scores, maxes(G), sums(G), ones(G, 1.f);
+  std::vector<int64_t> rows;
+  for (int64_t u = u0; u < u1; ++u) {
+    const Unit& unit = w.units[u];
+    const int64_t b = unit.b, kh = unit.kh, n = unit.n, stop_at = unit.start + n;
+    const int64_t* table = a.tables + b * a.table_width;
+    // walk the block table once: where each attended position's row of this kv head is
+    rows.resize(n);
+    for (int64_t t = unit.start; t < stop_at;) {
+      const int64_t block = t / a.block_size, stop = std::min(stop_at, (block + 1) * a.block_size);
+      int64_t row = ((table[block] * a.block_size + t - block * a.block_size) * KVH + kh) * D;
+      for (; t < stop; ++t, row += KVH * D) rows[t - unit.start] = row;
     }
-  });
-  if (partials == 0) return;
-  // merge each chunked item's partials: out = sum_c e^(m_c - M) o_c / sum_c e^(m_c - M) s_c
-  at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t p0 = first_partial[item];
-      if (p0 < 0) continue;
-      const int64_t chunks = num_chunks[item];
+    const Item it{a.q + b * a.q_stride + kh * G * D, rows.data(), n, G, D, a.scale};
+    scores.resize(G * n);  // [G][n]: each head's scores contiguous for the softmax
+    std::fill(maxes.begin(), maxes.end(), -std::numeric_limits<float>::infinity());
+    if (vectorised)
+      scores_avx2(it, kp, vp, scores.data(), maxes.data());
+    else
+      scores_generic(it, kp, scores.data(), maxes.data());
+    for (int64_t g = 0; g < G; ++g) sums[g] = exp_shifted(scores.data() + g * n, n, maxes[g]);
+    // the only chunk: normalised into out; else unnormalised into its partial
+    const bool whole = unit.partial < 0;
+    float* o = whole ? a.out + (b * H + kh * G) * D : w.part_out.data() + unit.partial * G * D;
+    const float* divisors = whole ? sums.data() : ones.data();
+    if (vectorised)
+      values_avx2(it, vp, scores.data(), divisors, o);
+    else
+      values_generic(it, vp, scores.data(), divisors, o);
+    if (!whole)
       for (int64_t g = 0; g < G; ++g) {
-        float m = -std::numeric_limits<float>::infinity();
-        for (int64_t c = 0; c < chunks; ++c) m = std::max(m, part_max[(p0 + c) * G + g]);
-        float* o = op + (item * G + g) * D;  // item = b * KVH + kh, so (b * H + kh * G + g) * D
-        std::fill(o, o + D, 0.f);
-        float total = 0.f;
-        for (int64_t c = 0; c < chunks; ++c) {
-          const float w = std::exp(part_max[(p0 + c) * G + g] - m);
-          total += w * part_sum[(p0 + c) * G + g];
-          const float* pc = part_out.data() + ((p0 + c) * G + g) * D;
-          for (int64_t d = 0; d < D; ++d) o[d] += w * pc[d];
-        }
-        const float inv = 1.f / total;
-        for (int64_t d = 0; d < D; ++d) o[d] *= inv;
+        w.part_max[unit.partial * G + g] = maxes[g];
+        w.part_sum[unit.partial * G + g] = sums[g];
       }
+  }
+}
+
+void paged_decode_units(PagedDecodeWork& w, const PagedDecodeArgs& a, int64_t u0, int64_t u1) {
+  switch (a.dtype) {
+    case torch::kFloat32: return attend<float>(w, a, u0, u1);
+    case torch::kBFloat16: return attend<c10::BFloat16>(w, a, u0, u1);
+    default: return attend<c10::Half>(w, a, u0, u1);
+  }
+}
+
+// merge each chunked item's partials: out = sum_c e^(m_c - M) o_c / sum_c e^(m_c - M) s_c
+void paged_decode_merge(PagedDecodeWork& w, float* out, int64_t i0, int64_t i1) {
+  const int64_t G = w.G, D = w.D;
+  for (int64_t item = i0; item < i1; ++item) {
+    const int64_t p0 = w.first_partial[item];
+    if (p0 < 0) continue;
+    const int64_t chunks = w.num_chunks[item];
+    for (int64_t g = 0; g < G; ++g) {
+      float m = -std::numeric_limits<float>::infinity();
+      for (int64_t c = 0; c < chunks; ++c) m = std::max(m, w.part_max[(p0 + c) * G + g]);
+      float* o = out + (item * G + g) * D;  // item = b * KVH + kh, so (b * H + kh * G + g) * D
+      std::fill(o, o + D, 0.f);
+      float total = 0.f;
+      for (int64_t c = 0; c < chunks; ++c) {
+        const float e = std::exp(w.part_max[(p0 + c) * G + g] - m);
+        total += e * w.part_sum[(p0 + c) * G + g];
+        const float* pc = w.part_out.data() + ((p0 + c) * G + g) * D;
+        for (int64_t d = 0; d < D; ++d) o[d] += e * pc[d];
+      }
+      const float inv = 1.f / total;
+      for (int64_t d = 0; d < D; ++d) o[d] *= inv;
     }
-  });
+  }
 }
 
 // q [B, H, D] fp32; k_cache, v_cache [slots, KVH, D], both fp32, bf16 or fp16; block_tables [B, W];
@@ -362,21 +366,20 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   TORCH_CHECK(k_cache.dtype() == v_cache.dtype(), "paged_decode: k_cache and v_cache must share a dtype");
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous inputs");
   TORCH_CHECK(block_tables.dtype() == torch::kInt64 && context_lens.dtype() == torch::kInt64, "int64 tables");
+  TORCH_CHECK(k_cache.scalar_type() == torch::kFloat32 || k_cache.scalar_type() == torch::kBFloat16 ||
+                  k_cache.scalar_type() == torch::kFloat16,
+              "paged_decode: K/V must be fp32, bf16 or fp16, got ", k_cache.scalar_type());
   auto tables = block_tables.contiguous();
   auto lens = context_lens.contiguous();
   auto out = torch::empty_like(q);
-  switch (k_cache.scalar_type()) {
-    case torch::kFloat32:
-      decode<float>(q, k_cache, v_cache, tables, lens, block_size, scale, sliding_window, out);
-      break;
-    case torch::kBFloat16:
-      decode<c10::BFloat16>(q, k_cache, v_cache, tables, lens, block_size, scale, sliding_window, out);
-      break;
-    case torch::kFloat16:
-      decode<c10::Half>(q, k_cache, v_cache, tables, lens, block_size, scale, sliding_window, out);
-      break;
-    default:
-      TORCH_CHECK(false, "paged_decode: K/V must be fp32, bf16 or fp16, got ", k_cache.scalar_type());
-  }
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2), KVH = k_cache.size(1);
+  PagedDecodeWork work = paged_decode_work(lens.data_ptr<int64_t>(), B, KVH, H / KVH, D, sliding_window);
+  const PagedDecodeArgs args{q.data_ptr<float>(), H * D, k_cache.data_ptr(), v_cache.data_ptr(), k_cache.scalar_type(),
+                             tables.data_ptr<int64_t>(), tables.size(1), block_size, static_cast<float>(scale),
+                             out.data_ptr<float>()};
+  at::parallel_for(0, static_cast<int64_t>(work.units.size()), 1,
+                   [&](int64_t begin, int64_t end) { paged_decode_units(work, args, begin, end); });
+  if (work.partials > 0)
+    at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) { paged_decode_merge(work, out.data_ptr<float>(), begin, end); });
   return out;
 }

@@ -17,6 +17,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include "isa.h"
+#include "team.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include "vec_math.h"
@@ -56,14 +57,13 @@ static inline void weight_rows(const float* x, int64_t M, const W* w, int64_t K,
   for (; m < M; ++m) dot_tile<NT, 1>(x + m * K, w, K, out + m * N, N);
 }
 
-// all N weight rows, NT at a time, split between the threads; the last N % NT one by one
+// weight-row blocks [b0, b1) of NT rows, and with `tail` the last N % NT rows one by one (out rows ldo apart)
 template <int NT, typename W>
-static void all_rows(const float* x, int64_t M, const W* w, int64_t K, float* out, int64_t N) {
-  const int64_t blocks = N / NT;
-  at::parallel_for(0, blocks, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) weight_rows<NT, W>(x, M, w + b * NT * K, K, out + b * NT, N);
-  });
-  for (int64_t n = blocks * NT; n < N; ++n) weight_rows<1, W>(x, M, w + n * K, K, out + n, N);
+static void block_rows(const float* x, int64_t M, const W* w, int64_t K, float* out, int64_t ldo, int64_t N,
+                       int64_t b0, int64_t b1, bool tail) {
+  for (int64_t b = b0; b < b1; ++b) weight_rows<NT, W>(x, M, w + b * NT * K, K, out + b * NT, ldo);
+  if (tail)
+    for (int64_t n = N / NT * NT; n < N; ++n) weight_rows<1, W>(x, M, w + n * K, K, out + n, ldo);
 }
 
 #if defined(__AVX512F__)
@@ -106,38 +106,89 @@ static inline void weight_rows16(const float* x, int64_t M, const W* w, int64_t 
 }
 
 template <int NT, typename W>
-static void all_rows16(const float* x, int64_t M, const W* w, int64_t K, float* out, int64_t N) {
-  const int64_t blocks = N / NT;
-  at::parallel_for(0, blocks, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) weight_rows16<NT, W>(x, M, w + b * NT * K, K, out + b * NT, N);
-  });
-  for (int64_t n = blocks * NT; n < N; ++n) weight_rows16<1, W>(x, M, w + n * K, K, out + n, N);
+static void block_rows16(const float* x, int64_t M, const W* w, int64_t K, float* out, int64_t ldo, int64_t N,
+                         int64_t b0, int64_t b1, bool tail) {
+  for (int64_t b = b0; b < b1; ++b) weight_rows16<NT, W>(x, M, w + b * NT * K, K, out + b * NT, ldo);
+  if (tail)
+    for (int64_t n = N / NT * NT; n < N; ++n) weight_rows16<1, W>(x, M, w + n * K, K, out + n, ldo);
 }
 static constexpr bool kHaveAvx512 = true;
 #else
 template <int NT, typename W>
-static void all_rows16(const float*, int64_t, const W*, int64_t, float*, int64_t) {}
+static void block_rows16(const float*, int64_t, const W*, int64_t, float*, int64_t, int64_t, int64_t, int64_t, bool) {}
 static constexpr bool kHaveAvx512 = false;
 #endif
 
 bool skinny_linear_available() { return true; }
 
+// Weight rows per block for M rows of x: with AVX-512 (`llmopt_isa::active_isa()`) 4 x rows by 6 weight
+// rows, 24 of the 32 registers accumulating; with AVX2 6 weight rows x 2 x rows, 12 accumulators, as many
+// as its 16 registers allow with the operands. One x row (batch 1) is memory-bound: 8 weight rows at a
+// time streams best on both.
+struct Blocking {
+  bool wide;
+  int nt;
+};
+
+static Blocking blocking(int64_t M) {
+  return {kHaveAvx512 && llmopt_isa::active_isa() >= llmopt_isa::kAvx512, M == 1 ? 8 : 6};
+}
+
+template <typename W>
+static void skinny_part(Blocking bk, const float* xp, int64_t M, const W* wp, int64_t K, float* op, int64_t ldo,
+                        int64_t N, int64_t b0, int64_t b1, bool tail) {
+  if (bk.wide) {
+    if (bk.nt == 8)
+      block_rows16<8, W>(xp, M, wp, K, op, ldo, N, b0, b1, tail);
+    else
+      block_rows16<6, W>(xp, M, wp, K, op, ldo, N, b0, b1, tail);
+  } else if (bk.nt == 8) {
+    block_rows<8, W>(xp, M, wp, K, op, ldo, N, b0, b1, tail);
+  } else {
+    block_rows<6, W>(xp, M, wp, K, op, ldo, N, b0, b1, tail);
+  }
+}
+
+// all N weight rows, a block of them at a time, split between the threads; the last N % NT one by one
 template <typename W>
 static void skinny(const float* xp, int64_t M, const W* wp, int64_t K, float* op, int64_t N) {
-  if (kHaveAvx512 && llmopt_isa::active_isa() >= llmopt_isa::kAvx512) {
-    // 4 x rows by 6 weight rows: 24 of the 32 registers accumulate; batch 1 streams 8 weight rows
-    if (M == 1)
-      all_rows16<8, W>(xp, M, wp, K, op, N);
-    else
-      all_rows16<6, W>(xp, M, wp, K, op, N);
-    return;
-  }
-  // 6 weight rows x 2 x rows: 12 accumulators, as many as AVX2's 16 registers allow with the
-  // operands. One x row (batch 1) is memory-bound: 8 weight rows at a time streams best.
-  if (M == 1)
-    all_rows<8, W>(xp, M, wp, K, op, N);
+  const Blocking bk = blocking(M);
+  at::parallel_for(0, N / bk.nt, 16, [&](int64_t begin, int64_t end) {
+    skinny_part(bk, xp, M, wp, K, op, N, N, begin, end, false);
+  });
+  skinny_part(bk, xp, M, wp, K, op, N, N, 0, 0, true);
+}
+
+// The decode plan's team (csrc/team.h): share `share` of `shares` of y = x @ w.T + bias into out [M, ldo],
+// the blocks split as skinny_linear splits them; the first share also takes the last N % NT rows.
+// x [M, K] fp32 contiguous; w and bias as skinny_linear_check passed them.
+void skinny_linear_share(const float* x, int64_t M, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias,
+                         float* out, int64_t ldo, int64_t share, int64_t shares) {
+  const int64_t N = w.size(0), K = w.size(1);
+  const Blocking bk = blocking(M);
+  const llmopt_team::Range r = llmopt_team::split(N / bk.nt, 16, share, shares);
+  const bool tail = share == 0;
+  if (w.dtype() == torch::kFloat32)
+    skinny_part(bk, x, M, w.data_ptr<float>(), K, out, ldo, N, r.begin, r.end, tail);
   else
-    all_rows<6, W>(xp, M, wp, K, op, N);
+    skinny_part(bk, x, M, w.data_ptr<at::BFloat16>(), K, out, ldo, N, r.begin, r.end, tail);
+  if (bias.has_value()) {
+    const float* b = bias->data_ptr<float>();
+    const auto add = [&](int64_t c0, int64_t c1) {
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t c = c0; c < c1; ++c) out[m * ldo + c] += b[c];
+    };
+    add(r.begin * bk.nt, r.end * bk.nt);
+    if (tail) add(N / bk.nt * bk.nt, N);
+  }
+}
+
+void skinny_linear_check(const torch::Tensor& w, const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && (w.dtype() == torch::kFloat32 || w.dtype() == torch::kBFloat16),
+              "dense_linear: contiguous fp32 or bf16 weight [N, K]");
+  if (bias.has_value())
+    TORCH_CHECK(bias->dtype() == torch::kFloat32 && bias->is_contiguous() && bias->numel() == w.size(0),
+                "dense_linear: bias fp32 [N]");
 }
 
 // fp32 x with fp32 or bf16 w (a bf16 copy of a wide weight halves the bytes a step reads)
@@ -161,6 +212,11 @@ torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor w, c10::optional<torc
 bool skinny_linear_available() { return false; }
 
 torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(false, "skinny_linear: built without AVX2/FMA");
+}
+void skinny_linear_share(const float*, int64_t, const torch::Tensor&, const c10::optional<torch::Tensor>&, float*,
+                         int64_t, int64_t, int64_t) {}
+void skinny_linear_check(const torch::Tensor&, const c10::optional<torch::Tensor>&) {
   TORCH_CHECK(false, "skinny_linear: built without AVX2/FMA");
 }
 
