@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from llmopt.runtime.model_runner import HUGE_PAGE, zeroed
+from llmopt.core.huge_pages import HUGE_PAGE
+from llmopt.runtime.model_runner import zeroed
 
 THP = Path("/sys/kernel/mm/transparent_hugepage")
 

@@ -152,7 +152,7 @@ class TritonInt4Linear(LinearBase):
         return TritonPackedInt4(self.qweight, self.scales, self.zeros, self.perm, self.in_features, self.out_features,
                                 self.group_size)
 
-    def _streamed_tensors(self) -> list[torch.Tensor | None]:
+    def streamed_tensors(self) -> list[torch.Tensor | None]:
         # a forward reads the packed codes, the scales and zero points, the act-order permutation
         return [self.qweight, self.scales, self.zeros, self.perm, self.bias]
 

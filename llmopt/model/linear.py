@@ -31,9 +31,10 @@ class LinearBase(nn.Module):
 
     def streamed_weight_bytes(self) -> int:
         """Bytes of weights (and bias) one forward reads: what a decode step costs in memory traffic."""
-        return sum(t.numel() * t.element_size() for t in self._streamed_tensors() if t is not None)
+        return sum(t.numel() * t.element_size() for t in self.streamed_tensors() if t is not None)
 
-    def _streamed_tensors(self) -> list[torch.Tensor | None]:
+    def streamed_tensors(self) -> list[torch.Tensor | None]:
+        """The tensors a decode forward reads, whole (None for an absent bias)."""
         return [*self.buffers(recurse=False), *self.parameters(recurse=False)]
 
 
@@ -122,7 +123,7 @@ class DenseLinear(LinearBase):
         self.onednn_weight = None
         return True
 
-    def _streamed_tensors(self) -> list[torch.Tensor | None]:
+    def streamed_tensors(self) -> list[torch.Tensor | None]:
         if self.int8_weight is not None:
             return [self.int8_weight.codes, self.int8_weight.scales, self.bias]
         return [self.bf16_weight if self.bf16_weight is not None else self.weight, self.bias]

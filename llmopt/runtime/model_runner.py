@@ -20,11 +20,13 @@ block past `num_blocks` for the graphs' padding rows.
 
 from __future__ import annotations
 
-import mmap
 from dataclasses import dataclass, field
 
 import torch
 
+from llmopt.core.huge_pages import HUGE_PAGE, advised_region, huge_pages_enabled, move_into_huge_pages
+from llmopt.core.memory import release_freed_memory
+from llmopt.model.linear import LinearBase
 from llmopt.model.llama import LlamaForCausalLM
 from llmopt.model.paged_attention import StepMetadata
 from llmopt.runtime.cpu_decode_plan import build_decode_plan, run_decode_plan
@@ -55,30 +57,31 @@ def kv_bytes_per_block(model: LlamaForCausalLM, block_size: int, dtype: torch.dt
     return 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * cfg.head_dim * elem
 
 
-HUGE_PAGE = 2 << 20  # x86-64 Linux's transparent huge page
-
-
 def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A zero-filled tensor. Attention reads (masked) slots nobody wrote yet: they must hold
     finite numbers, as 0 * NaN = NaN. On CPU the zeros are anonymous memory the OS zero-fills
     lazily, so a large pool costs nothing until its pages are used, and a pool of at least a huge
-    page is advised into transparent huge pages (Linux, where THP is "madvise" or "always"): decode
-    attention reads rows scattered over the whole pool, and with 4 KiB pages nearly every block read
-    missed the TLB (docs/benchmarks.md, "KV pool in huge pages"); first writes also fault 512 times
-    less often."""
+    page is advised into transparent huge pages (`llmopt.core.huge_pages`): decode attention reads
+    rows scattered over the whole pool, and with 4 KiB pages nearly every block read missed the TLB
+    (docs/benchmarks.md, "KV pool in huge pages"); first writes also fault 512 times less often."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     import numpy as np
 
     nbytes = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
-    if nbytes >= HUGE_PAGE and hasattr(mmap, "MADV_HUGEPAGE"):
-        region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        try:
-            region.madvise(mmap.MADV_HUGEPAGE)  # advice only: the kernel may still use 4 KiB pages
-        except OSError:  # a kernel built without THP: plain pages, as without the advice
-            pass
-        return torch.frombuffer(region, dtype=torch.uint8).view(dtype).view(shape)  # the tensor keeps region alive
+    if nbytes >= HUGE_PAGE and huge_pages_enabled():
+        return torch.frombuffer(advised_region(nbytes), dtype=torch.uint8).view(dtype).view(shape)  # keeps it alive
     return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
+
+
+def move_streamed_weights(model: LlamaForCausalLM) -> int:
+    """Put the weights a CPU decode step streams (each linear layer's `streamed_tensors`) into memory
+    advised into huge pages (`llmopt.core.huge_pages`); returns the bytes moved. Before a decode plan is
+    built: the plan keeps the weights' addresses for its prefetches."""
+    moved = move_into_huge_pages(t for m in model.modules() if isinstance(m, LinearBase)
+                                 for t in m.streamed_tensors() if t is not None)
+    release_freed_memory()  # the originals' heap blocks
+    return moved
 
 
 class ModelRunner:
@@ -99,8 +102,12 @@ class ModelRunner:
         self.attn = model.backend.paged_attention(zeroed(shape, kv_dtype, device), zeroed(shape, kv_dtype, device),
                                                   query_dtype=dtype)
         self.table_dtype = self.attn.block_table_dtype  # of block tables and context lengths alike
-        # decode steps on the CPU kernels: all layers in one C++ call (cpu_decode_plan.py)
-        self.decode_plan = build_decode_plan(model, kv_dtype) if self.attn.cpu_decode is not None else None
+        # decode steps on the CPU kernels: all layers in one C++ call (cpu_decode_plan.py), over weights in huge pages
+        self.decode_plan = None
+        if device.type == "cpu":
+            move_streamed_weights(model)
+        if self.attn.cpu_decode is not None:
+            self.decode_plan = build_decode_plan(model, kv_dtype)
         self.graph_runner: GraphRunner | None = None
         if graphs is not None and (not graphs.capture or (device.type == "cuda" and self.attn.supports_cuda_graphs)):
             self.graph_runner = GraphRunner(model, self.attn, graphs, block_size, dtype, device,
