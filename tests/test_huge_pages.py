@@ -40,6 +40,19 @@ def test_moved_tensors_keep_values_ties_and_holders():
         assert t.untyped_storage().nbytes() == t.numel() * t.element_size() and t.data_ptr() % 64 == 0
 
 
+@needs_thp
+def test_followers_holding_the_same_bytes_move_with_them():
+    weight = torch.randn(256, 64)
+    alias = weight.detach()  # another object over the same bytes (DenseLinear's onednn_weight can be one)
+    as_bytes = weight.view(torch.uint8).view(-1)  # the same bytes under another dtype and shape
+    other = torch.randn(8)  # a follower holding bytes nobody moves
+    ptr = other.data_ptr()
+    expected = weight.clone()
+    move_into_huge_pages([weight], followers=[alias, as_bytes, other, torch.empty(0)])
+    assert alias.data_ptr() == weight.data_ptr() == as_bytes.data_ptr() and other.data_ptr() == ptr
+    assert torch.equal(alias, expected) and as_bytes.dtype == torch.uint8 and as_bytes.shape == (256 * 64 * 4,)
+
+
 def test_nothing_moves_without_huge_pages(monkeypatch):
     monkeypatch.setattr(huge_pages, "huge_pages_enabled", lambda: False)
     a = torch.randn(10)

@@ -25,7 +25,6 @@ from dataclasses import dataclass, field
 import torch
 
 from llmopt.core.huge_pages import HUGE_PAGE, advised_region, huge_pages_enabled, move_into_huge_pages
-from llmopt.core.memory import release_freed_memory
 from llmopt.model.linear import LinearBase
 from llmopt.model.llama import LlamaForCausalLM
 from llmopt.model.paged_attention import StepMetadata
@@ -78,10 +77,11 @@ def move_streamed_weights(model: LlamaForCausalLM) -> int:
     """Put the weights a CPU decode step streams (each linear layer's `streamed_tensors`) into memory
     advised into huge pages (`llmopt.core.huge_pages`); returns the bytes moved. Before a decode plan is
     built: the plan keeps the weights' addresses for its prefetches."""
-    moved = move_into_huge_pages(t for m in model.modules() if isinstance(m, LinearBase)
-                                 for t in m.streamed_tensors() if t is not None)
-    release_freed_memory()  # the originals' heap blocks
-    return moved
+    streamed = [t for m in model.modules() if isinstance(m, LinearBase) for t in m.streamed_tensors() if t is not None]
+    # aliases of those bytes held elsewhere (DenseLinear.onednn_weight can be the weight itself, detached)
+    held = [t for m in model.modules() for t in (*vars(m).values(), *m._parameters.values(), *m._buffers.values())
+            if isinstance(t, torch.Tensor)]
+    return move_into_huge_pages(streamed, followers=held)
 
 
 class ModelRunner:
