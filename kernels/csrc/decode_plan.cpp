@@ -177,7 +177,7 @@ class DecodePlan {
     x = x.contiguous();
     const torch::Tensor tables = block_tables.contiguous(), lens = context_lens.contiguous();
 
-    // shared buffers, each as wide as the widest layer needs; the attention units of each layer shape
+    // shared buffers, each as wide as the widest layer needs
     int64_t qkv_w = 0, q_w = 0, o_w = 0, gu_w = 0, act_w = 0, down_w = 0;
     // attention units: one set per layer shape (kv heads, group, head_dim, window), shared by its layers
     struct Shape {

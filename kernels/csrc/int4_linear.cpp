@@ -660,14 +660,14 @@ void int4_linear_check(const torch::Tensor& codes, const torch::Tensor& scales, 
 std::vector<WeightRegion> int4_weight_regions(const torch::Tensor& codes, const torch::Tensor& scales,
                                               const torch::Tensor& zeros);
 
+constexpr int64_t kNextPrefetch = 16384;  // bytes of each region of `next`, from the start of the share
+
 // The decode plan's team (csrc/team.h): share `share` of `shares` of y = x @ dequant(W).T + bias into
 // out [M, ldo] (ldo: the padded width, codes.size(0) * 8), in pairs of tiles as int4_linear splits them;
 // x [M, K] fp32 contiguous, quantized by the calling thread. Then the thread prefetches its share of
 // `next` (the weights of the projection after this one): after a projection come microseconds of small
 // ops (norms, rope, attention) while the memory system would sit idle, and the same thread takes the
 // same fraction of the next projection's tiles. Arguments as int4_linear_check passed them.
-constexpr int64_t kNextPrefetch = 16384;  // bytes of each region of `next`, from the start of the share
-
 void int4_linear_share(const float* x, int64_t M, const torch::Tensor& codes, const torch::Tensor& scales,
                        const torch::Tensor& zeros, int64_t out_features, int64_t group_size,
                        const c10::optional<torch::Tensor>& perm, const c10::optional<torch::Tensor>& bias, float* out,
