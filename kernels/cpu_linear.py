@@ -71,13 +71,6 @@ def bf16_way() -> str:
     return "amx" if "amx_bf16" in flags else "avx512_bf16" if "avx512_bf16" in flags else "emulated"
 
 
-def bf16_prompt_attention() -> bool:
-    """Whether attention over prompt chunks pays in bf16 here: on AMX-BF16 tiles PyTorch's CPU flash
-    attention runs 2.3-3x faster on bf16 q/k/v; with AVX512-BF16 alone it ran no faster than fp32
-    (AMD Zen 4: 4.28 vs 4.04 ms per layer call at 512 tokens, 2 threads), so there it stays fp32."""
-    return bf16_way() == "amx"
-
-
 @functools.cache
 def _cpu_flags() -> frozenset[str]:
     try:

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from llmopt.errors import LlmoptError
 from llmopt.kernels import cpu_linear
 from llmopt.kernels.cpu_extension import cpu_ops
+from llmopt.kernels.cpu_prefill_attention import bf16_prompt_attention
 from llmopt.kernels.cpu_linear import (BF16_MATH, BF16_TENSORS, SKINNY_MAX_ROWS, _onednn_bf16, bf16_linear, bf16_way,
                                       prefill_kernel, skinny_linear_kernel, uses_bf16)
 from llmopt.model.backends import CpuBackend, ReferenceBackend
@@ -191,7 +192,6 @@ def test_bf16_way_follows_the_cpu_flags(monkeypatch):
                        ({"avx2", "fma"}, "emulated")):
         monkeypatch.setattr(cpu_linear, "_cpu_flags", lambda flags=flags: frozenset(flags))
         assert bf16_way() == way
-        assert cpu_linear.bf16_prompt_attention() == (way == "amx")
 
 
 @pytest.mark.parametrize("way", ["amx", "avx512_bf16", "emulated"])
@@ -362,7 +362,7 @@ def test_the_engine_flag_reaches_every_dense_layer(tiny_models):
     # the vocabulary projection only takes a kernel whose result is not rounded to bf16
     assert all(m.prefill is prefill_kernel("bf16") for m in dense if m is not loaded.model.lm_head)
     assert loaded.model.lm_head.prefill is prefill_kernel("bf16", rounded_result=False) is not None
-    attention_dtype = torch.bfloat16 if cpu_linear.bf16_prompt_attention() else None
+    attention_dtype = torch.bfloat16 if bf16_prompt_attention() else None
     assert attention and all(m.prompt_math_dtype == attention_dtype for m in attention)
     LLM(loaded, num_kv_blocks=16, fp32_matmul_precision="ieee")
     assert all(m.prefill is None for m in dense)

@@ -6,8 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llmopt.kernels.cpu_prefill_attention import prefill_attention_kernel
-from llmopt.kernels.paged_attention import attend, prefill_mask
+from llmopt.kernels import cpu_prefill_attention
+from llmopt.kernels.cpu_extension import cpu_ops
+from llmopt.kernels.cpu_prefill_attention import bf16_products, kernel_math, prefill_attention_kernel
+from llmopt.kernels.paged_attention import PROMPT_MATH_MIN_QUERIES, attend, prefill_mask
 
 kernel = prefill_attention_kernel()
 pytestmark = pytest.mark.skipif(kernel is None, reason="the CPU kernels could not be built here (no g++/ninja)")
@@ -65,3 +67,50 @@ def test_kernel_rejects_what_it_cannot_take():
         kernel(q, k, v, bad, 1.0, 0)
     with pytest.raises(RuntimeError, match="fp32"):
         kernel(q.bfloat16(), k.bfloat16(), v.bfloat16(), segments, 1.0, 0)
+
+
+needs_bf16_products = pytest.mark.skipif(kernel is None or not bf16_products(),
+                                         reason="the kernel's bf16 products need AVX512-BF16 (this CPU or build lacks it)")
+
+
+@needs_bf16_products
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (8, 1)])
+@pytest.mark.parametrize("head_dim", [64, 16, 80])
+@pytest.mark.parametrize("window", [None, 40])
+def test_bf16_products_match_the_reference_on_rounded_inputs(heads, kv_heads, head_dim, window):
+    """bf16 products: the float64 reference over the bf16-rounded q, K, V, up to the softmax weights' bf16 rounding
+    (relative 2^-9 each); and not the fp32 kernel's result (the bf16 path did run)."""
+    q, k, v, segments = _packed(heads, kv_heads, head_dim, seed=heads * 10 + head_dim)
+    got = kernel(q, k, v, segments, head_dim ** -0.5, window or 0, True)
+    rounded = [t.bfloat16().double() for t in (q, k, v)]
+    expected = _reference(*rounded, segments, window)
+    error = (got.double() - expected).abs()
+    assert error.max() < 2e-2 and error.mean() < 2e-3
+    assert (got - kernel(q, k, v, segments, head_dim ** -0.5, window or 0)).abs().max() > 1e-4
+
+
+@needs_bf16_products
+def test_bf16_products_refused_where_they_cannot_run():
+    q, k, v, segments = _packed(4, 2, 16, seed=3)
+    previous = cpu_ops().set_cpu_isa("avx2")
+    try:
+        assert not bf16_products()
+        with pytest.raises(RuntimeError, match="AVX512-BF16"):
+            kernel(q, k, v, segments, 1.0, 0, True)
+    finally:
+        cpu_ops().set_cpu_isa(previous)
+
+
+@pytest.mark.parametrize("way,products", [("avx512_bf16", True), ("avx512_bf16", False), ("amx", True), ("emulated", False)])
+def test_kernel_math_by_chunk_size_and_cpu(way, products, monkeypatch):
+    """fp32 products without a math dtype or below PROMPT_MATH_MIN_QUERIES queries; bf16 ones for prompt-sized chunks
+    where they run and the CPU has no AMX (there SDPA's bf16 runs on the tiles); else SDPA (None)."""
+    monkeypatch.setattr(cpu_prefill_attention, "bf16_way", lambda: way)
+    monkeypatch.setattr(cpu_prefill_attention, "bf16_products", lambda: products)
+    q = torch.zeros(4, 2, 16)
+    assert kernel_math(q, None, 500) == "fp32"
+    assert kernel_math(q, torch.bfloat16, PROMPT_MATH_MIN_QUERIES - 1) == "fp32"
+    big = kernel_math(q, torch.bfloat16, PROMPT_MATH_MIN_QUERIES)
+    assert big == ("bf16" if way == "avx512_bf16" and products else None)
+    assert cpu_prefill_attention.bf16_prompt_attention() == (way == "amx" or (way == "avx512_bf16" and products))
+    assert kernel_math(q.bfloat16(), None, 500) is None  # the kernel takes fp32 queries only

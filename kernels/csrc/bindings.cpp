@@ -6,7 +6,8 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
                            torch::Tensor block_tables, torch::Tensor context_lens,
                            int64_t block_size, double scale, int64_t sliding_window);
 torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor segments,
-                                double scale, int64_t sliding_window);
+                                double scale, int64_t sliding_window, bool bf16_products);
+bool bf16_products_available();
 bool skinny_linear_available();
 torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);
 bool fused_ops_available();
@@ -32,7 +33,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using release_gil = pybind11::call_guard<pybind11::gil_scoped_release>;
   m.def("paged_decode", &paged_decode, release_gil(), "paged decode attention: fp32 q and output, fp32/bf16/fp16 K/V");
   m.def("prefill_attention", &prefill_attention, release_gil(),
-        "prompt attention of packed sequences, each after an optional run of visible context keys: fp32");
+        "prompt attention of packed sequences, each after an optional run of visible context keys: fp32 in and out, "
+        "the products in fp32 or (bf16_products) bf16",
+        pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("segments"), pybind11::arg("scale"),
+        pybind11::arg("sliding_window"), pybind11::arg("bf16_products") = false);
+  m.def("bf16_products_available", &bf16_products_available,
+        "prefill_attention's bf16 products run here now (AVX512-BF16 built and present, the AVX-512 path active)");
   m.def("skinny_linear_available", &skinny_linear_available, "built with AVX2 + FMA");
   m.def("skinny_linear", &skinny_linear, release_gil(), "x @ w.T (+ bias) for few rows of x",
         pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("bias") = pybind11::none());

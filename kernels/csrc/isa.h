@@ -44,6 +44,13 @@ inline int isa_from_name(const std::string& name) {
 #define LLMOPT_COMPILED_AMX 0
 #endif
 
+// AVX512-BF16 (`vdpbf16ps`: pairs of bf16 products summed into fp32 lanes) beside the AVX-512 path.
+#if LLMOPT_COMPILED_AVX512 && defined(__AVX512BF16__)
+#define LLMOPT_COMPILED_BF16_DOT 1
+#else
+#define LLMOPT_COMPILED_BF16_DOT 0
+#endif
+
 // The widest path compiled into this build.
 constexpr int compiled_isa() {
 #if LLMOPT_COMPILED_AMX
@@ -100,6 +107,20 @@ inline int active_isa() {
   static const int supported = cpu_supported_isa();
   const int cap = isa_cap().load(std::memory_order_relaxed);
   return supported < cap ? supported : cap;
+}
+
+// Whether kernels may take their bf16 dot-product paths now: compiled, the CPU has AVX512-BF16, and the
+// active path is AVX-512 or wider (LLMOPT_CPU_ISA=avx2 keeps the fp32 paths).
+inline bool bf16_dot_active() {
+#if LLMOPT_COMPILED_BF16_DOT && defined(__GNUC__)
+  static const bool cpu_has = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512bf16") != 0;
+  }();
+  return cpu_has && active_isa() >= kAvx512;
+#else
+  return false;
+#endif
 }
 
 }  // namespace llmopt_isa

@@ -11,6 +11,12 @@
 // that a row of scores fits in cache. The loops are written for the compiler's vectoriser
 // (-march=native: AVX-512 or AVX2 lanes); the softmax's max and exp are vectorised with AVX-512 or AVX2 where built
 // with it. The PyTorch path (kernels/paged_attention.attend) is the reference.
+//
+// bf16 products (`bf16_products`, where the CPU has AVX512-BF16): q, K, the softmax weights and V rounded to
+// bfloat16 (nearest even), each `vdpbf16ps` summing two products into fp32 lanes (twice an fp32 FMA's work);
+// scores, softmax and sums stay fp32. K is copied as pairs of dims per key ([D/2, keys] 32-bit words), V as
+// pairs of keys per dim ([keys/2, D] words), so one broadcast word of q (or of the weights) meets 16 keys (or
+// 16 dims) per instruction.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
@@ -20,6 +26,7 @@
 #include <limits>
 #include <vector>
 
+#include "isa.h"
 #if defined(__AVX2__) && defined(__FMA__)
 #include "vec_math.h"
 #endif
@@ -166,15 +173,157 @@ void attend_item(const float* const* q_rows, float scale, int64_t M, int64_t Mp,
   }
 }
 
+#if LLMOPT_COMPILED_BF16_DOT
+typedef uint32_t bf16_pair;  // two bfloat16 values: the lower-indexed one in the low 16 bits
+
+inline __m512bh as_bh(__m512i v) { return reinterpret_cast<__m512bh&>(v); }
+
+// 16 floats rounded to bf16 (nearest even), each in the low half of a 32-bit lane
+inline __m512i bf16_lanes(const float* p) {
+  const __m256bh h = _mm512_cvtneps_pbh(_mm512_loadu_ps(p));
+  return _mm512_cvtepu16_epi32(reinterpret_cast<const __m256i&>(h));
+}
+
+// row x of D floats as D/2 pairs (D a multiple of 16)
+inline void to_pairs(const float* x, int64_t D, bf16_pair* out) {
+  for (int64_t d = 0; d < D; d += kLane) {
+    const __m256bh h = _mm512_cvtneps_pbh(_mm512_loadu_ps(x + d));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + d / 2), reinterpret_cast<const __m256i&>(h));
+  }
+}
+
+// out rows r0.. (kOutRows of them) = p V over key pairs 0..pairs-1, NB vectors of 16 dims from d0; `wp` the rows'
+// weights as pairs (row stride ldw words), `vp` [pairs, D] the values' pairs of keys
+template <int NB>
+inline void value_pairs_tile(const bf16_pair* wp, int64_t ldw, const bf16_pair* vp, int64_t D, int64_t pairs,
+                             int64_t d0, __m512 (&acc)[kOutRows][NB]) {
+  for (int64_t r = 0; r < kOutRows; ++r)
+    for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_setzero_ps();
+  for (int64_t jp = 0; jp < pairs; ++jp) {
+    __m512bh vj[NB];
+    for (int b = 0; b < NB; ++b) vj[b] = as_bh(_mm512_loadu_si512(vp + jp * D + d0 + b * kLane));
+    for (int64_t r = 0; r < kOutRows; ++r) {
+      const __m512bh pr = as_bh(_mm512_set1_epi32(static_cast<int>(wp[r * ldw + jp])));
+      for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], pr, vj[b]);
+    }
+  }
+}
+
+// One block of queries as attend_item, products in bf16: `qp` [Mp, D/2] the queries' pairs (zero rows from M on),
+// `ktp` [D/2, ldkt] the keys' pairs of dims, `vp` [ldkt/2, D] the values' pairs of keys (zero past the keys);
+// `weights` [Mp, ldk] bf16 scratch.
+void attend_item_bf16(const bf16_pair* qp, float scale, int64_t M, int64_t Mp, int64_t D, const bf16_pair* ktp,
+                      int64_t ldkt, int64_t ldk, const bf16_pair* vp, const int64_t* first_visible,
+                      const int64_t* last_visible, float* scores, uint16_t* weights, float* const* out_rows) {
+  const int64_t half_d = D / 2;
+  for (int64_t r0 = 0; r0 < Mp; r0 += kScoreRows)
+    for (int64_t j0 = 0; j0 < ldk; j0 += kScoreVecs * kLane) {
+      __m512 acc[kScoreRows][kScoreVecs];
+      for (int64_t r = 0; r < kScoreRows; ++r)
+        for (int64_t b = 0; b < kScoreVecs; ++b) acc[r][b] = _mm512_setzero_ps();
+      for (int64_t dp = 0; dp < half_d; ++dp) {
+        __m512bh kd[kScoreVecs];
+        for (int64_t b = 0; b < kScoreVecs; ++b) kd[b] = as_bh(_mm512_loadu_si512(ktp + dp * ldkt + j0 + b * kLane));
+        for (int64_t r = 0; r < kScoreRows; ++r) {
+          const __m512bh qd = as_bh(_mm512_set1_epi32(static_cast<int>(qp[(r0 + r) * half_d + dp])));
+          for (int64_t b = 0; b < kScoreVecs; ++b) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], qd, kd[b]);
+        }
+      }
+      const __m512 vscale = _mm512_set1_ps(scale);
+      for (int64_t r = 0; r < kScoreRows; ++r)
+        for (int64_t b = 0; b < kScoreVecs; ++b)
+          _mm512_storeu_ps(scores + (r0 + r) * ldk + j0 + b * kLane, _mm512_mul_ps(acc[r][b], vscale));
+    }
+  // softmax in fp32 over each row's visible keys (the rest, and the padding rows, weigh 0), the weights rounded
+  std::vector<float> inv_sums(Mp, 0.f);
+  for (int64_t r = 0; r < Mp; ++r) {
+    float* s = scores + r * ldk;
+    if (r >= M) {
+      std::fill(s, s + ldk, 0.f);
+    } else {
+      const int64_t lo = first_visible[r], hi = last_visible[r];
+      for (int64_t j = 0; j < lo; ++j) s[j] = 0.f;
+      for (int64_t j = hi + 1; j < ldk; ++j) s[j] = 0.f;
+      inv_sums[r] = 1.f / exp_shifted(s + lo, hi - lo + 1, row_max(s + lo, hi - lo + 1));
+    }
+    to_pairs(s, ldk, reinterpret_cast<bf16_pair*>(weights + r * ldk));
+  }
+  // out[r] = sum_j p[r, j] v_j / sum_r, two keys per instruction
+  const bf16_pair* wp = reinterpret_cast<const bf16_pair*>(weights);
+  const int64_t half_ldk = ldk / 2;
+  for (int64_t r0 = 0; r0 < M; r0 += kOutRows) {
+    int64_t hi = 0;
+    for (int64_t r = r0; r < std::min(r0 + kOutRows, M); ++r) hi = std::max(hi, last_visible[r]);
+    const int64_t pairs = std::min(half_ldk, hi / 2 + 1);
+    auto emit = [&](int64_t d0, const __m512* acc_row, int64_t r, int nb) {
+      const __m512 inv = _mm512_set1_ps(inv_sums[r0 + r]);
+      for (int b = 0; b < nb; ++b) _mm512_storeu_ps(out_rows[r0 + r] + d0 + b * kLane, _mm512_mul_ps(acc_row[b], inv));
+    };
+    int64_t d0 = 0;
+    for (; d0 + 4 * kLane <= D; d0 += 4 * kLane) {
+      __m512 acc[kOutRows][4];
+      value_pairs_tile<4>(wp + r0 * half_ldk, half_ldk, vp, D, pairs, d0, acc);
+      for (int64_t r = 0; r < kOutRows && r0 + r < M; ++r) emit(d0, acc[r], r, 4);
+    }
+    for (; d0 < D; d0 += kLane) {
+      __m512 acc[kOutRows][1];
+      value_pairs_tile<1>(wp + r0 * half_ldk, half_ldk, vp, D, pairs, d0, acc);
+      for (int64_t r = 0; r < kOutRows && r0 + r < M; ++r) emit(d0, acc[r], r, 1);
+    }
+  }
+}
+
+// The keys' pairs of dims [D/2, ldk] and the values' pairs of keys [ldk/2, D], zero past the nk keys.
+void copy_pairs(const float* const* key_rows, const float* const* value_rows, int64_t nk, int64_t ldk, int64_t D,
+                std::vector<uint32_t>& kt_pairs, std::vector<uint32_t>& v_pairs) {
+  const int64_t half_d = D / 2;
+  kt_pairs.assign(half_d * ldk, 0u);
+  v_pairs.resize(ldk / 2 * D);
+  std::vector<bf16_pair> row(half_d);
+  for (int64_t j = 0; j < nk; ++j) {
+    to_pairs(key_rows[j], D, row.data());
+    for (int64_t dp = 0; dp < half_d; ++dp) kt_pairs[dp * ldk + j] = row[dp];
+  }
+  const __m512i zero = _mm512_setzero_si512();
+  for (int64_t jp = 0; jp < ldk / 2; ++jp) {
+    const int64_t j = 2 * jp;
+    for (int64_t d = 0; d < D; d += kLane) {
+      const __m512i lo = j < nk ? bf16_lanes(value_rows[j] + d) : zero;
+      const __m512i hi = j + 1 < nk ? bf16_lanes(value_rows[j + 1] + d) : zero;
+      _mm512_storeu_si512(v_pairs.data() + jp * D + d, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+    }
+  }
+}
+#endif
+
+#if LLMOPT_COMPILED_BF16_DOT
+inline void to_pairs_any(const float* x, int64_t D, uint32_t* out) { to_pairs(x, D, out); }
+inline void attend_pairs(const uint32_t* qp, float scale, int64_t M, int64_t Mp, int64_t D, const uint32_t* ktp,
+                         int64_t ldkt, int64_t ldk, const uint32_t* vp, const int64_t* first, const int64_t* last,
+                         float* scores, uint16_t* weights, float* const* out_rows) {
+  attend_item_bf16(qp, scale, M, Mp, D, ktp, ldkt, ldk, vp, first, last, scores, weights, out_rows);
+}
+#else  // never called: bf16_products_available() is false in such a build
+inline void copy_pairs(const float* const*, const float* const*, int64_t, int64_t, int64_t, std::vector<uint32_t>&,
+                       std::vector<uint32_t>&) {}
+inline void to_pairs_any(const float*, int64_t, uint32_t*) {}
+inline void attend_pairs(const uint32_t*, float, int64_t, int64_t, int64_t, const uint32_t*, int64_t, int64_t,
+                         const uint32_t*, const int64_t*, const int64_t*, float*, uint16_t*, float* const*) {}
+#endif
+
 }  // namespace
+
+// Whether this build and CPU take bf16 products now (AVX512-BF16 compiled and present, the AVX-512 path active).
+bool bf16_products_available() { return llmopt_isa::bf16_dot_active(); }
 
 // q [Tq, H, D], k and v [Tk, KVH, D], fp32 contiguous; segments [S, 5] int64: per sequence
 // (q_start, q_len, ctx_start, ctx_len, own_start): its queries are rows q_start.. of q, its
 // context keys rows ctx_start.. of k and v (ctx_len of them, all visible), its own keys rows
 // own_start.. (q_len of them, causal). sliding_window > 0: a query at position p (ctx_len + i)
-// sees only keys at positions > p - window. Returns [Tq, H, D].
+// sees only keys at positions > p - window. bf16_products: the products in bf16 (`bf16_products_available`).
+// Returns [Tq, H, D].
 torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor segments,
-                                double scale, int64_t sliding_window) {
+                                double scale, int64_t sliding_window, bool bf16_products) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q, k, v must be [tokens, heads, head_dim]");
   TORCH_CHECK(q.scalar_type() == torch::kFloat && k.scalar_type() == torch::kFloat && v.scalar_type() == torch::kFloat,
               "prefill_attention takes fp32 q, k, v");
@@ -184,6 +333,7 @@ torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor 
   const int64_t H = q.size(1), D = q.size(2), KVH = k.size(1), Tk = k.size(0);
   TORCH_CHECK(KVH > 0 && H % KVH == 0 && v.sizes() == k.sizes() && k.size(2) == D, "inconsistent q, k, v shapes");
   TORCH_CHECK(D % kLane == 0, "head_dim must be a multiple of ", kLane);
+  TORCH_CHECK(!bf16_products || bf16_products_available(), "bf16 products need AVX512-BF16 (and the AVX-512 path)");
   const int64_t G = H / KVH;
   const int64_t S = segments.size(0);
   std::vector<Segment> segs(S);
@@ -219,6 +369,8 @@ torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor 
   const int64_t workers = std::min<int64_t>(at::get_num_threads(), static_cast<int64_t>(items.size()));
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     std::vector<float> kt, scores;
+    std::vector<uint32_t> kt_pairs, v_pairs, q_pairs;  // the bf16 path's copies
+    std::vector<uint16_t> weights;
     const std::vector<float> zero_row(D, 0.f);  // the padding query rows'
     std::vector<int64_t> first, last;
     std::vector<const float*> key_rows, value_rows, q_rows;
@@ -230,17 +382,22 @@ torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor 
       const int64_t top = g.ctx_len + run_end - 1;  // the last position a query of the run sees
       const int64_t bottom = sliding_window > 0 ? std::max<int64_t>(0, g.ctx_len + run_begin - sliding_window + 1) : 0;
       const int64_t nk = top - bottom + 1, ldk = (nk + kKeyTile - 1) / kKeyTile * kKeyTile;
-      kt.resize(D * ldk), key_rows.resize(nk), value_rows.resize(nk);
+      key_rows.resize(nk), value_rows.resize(nk);
       for (int64_t j = 0; j < nk; ++j) {
         const int64_t p = bottom + j;
         const int64_t row = p < g.ctx_len ? g.ctx_start + p : g.own_start + (p - g.ctx_len);
         key_rows[j] = kp + (row * KVH + h) * D;
         value_rows[j] = vp + (row * KVH + h) * D;
       }
-      for (int64_t d = 0; d < D; ++d) {
-        float* row = kt.data() + d * ldk;
-        for (int64_t j = 0; j < nk; ++j) row[j] = key_rows[j][d];
-        std::fill(row + nk, row + ldk, 0.f);  // padding keys score 0 (and weigh 0)
+      if (bf16_products) {
+        copy_pairs(key_rows.data(), value_rows.data(), nk, ldk, D, kt_pairs, v_pairs);
+      } else {
+        kt.resize(D * ldk);
+        for (int64_t d = 0; d < D; ++d) {
+          float* row = kt.data() + d * ldk;
+          for (int64_t j = 0; j < nk; ++j) row[j] = key_rows[j][d];
+          std::fill(row + nk, row + ldk, 0.f);  // padding keys score 0 (and weigh 0)
+        }
       }
       for (int64_t i0 = run_begin; i0 < run_end; i0 += kQueryBlock) {
         const int64_t qb = std::min(kQueryBlock, run_end - i0), M = qb * G;
@@ -258,8 +415,16 @@ torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor 
             first[r] = sliding_window > 0 ? std::max<int64_t>(0, pos - sliding_window + 1) - bottom : 0;
             last[r] = pos - bottom;
           }
-        attend_item(q_rows.data(), fscale, M, Mp, D, kt.data(), ldk, block_ldk, value_rows.data(), first.data(), last.data(),
-                    scores.data(), out_rows.data());
+        if (bf16_products) {
+          q_pairs.assign(Mp * D / 2, 0u);
+          weights.resize(Mp * block_ldk);
+          for (int64_t r = 0; r < M; ++r) to_pairs_any(q_rows[r], D, q_pairs.data() + r * D / 2);
+          attend_pairs(q_pairs.data(), fscale, M, Mp, D, kt_pairs.data(), ldk, block_ldk, v_pairs.data(), first.data(),
+                       last.data(), scores.data(), weights.data(), out_rows.data());
+        } else {
+          attend_item(q_rows.data(), fscale, M, Mp, D, kt.data(), ldk, block_ldk, value_rows.data(), first.data(),
+                      last.data(), scores.data(), out_rows.data());
+        }
       }
     }
   });

@@ -97,12 +97,12 @@ class EqualLengthAttention(AttentionBackend):
 
     def forward(self, layer_idx, q, k, v, sliding_window, math_dtype=None):
         b, t = self.num_seqs, self.seq_len
-        if (math_dtype is None or t < PROMPT_MATH_MIN_QUERIES) and cpu_prefill_attention.supports(q):
-            kernel = cpu_prefill_attention.prefill_attention_kernel()  # fp32 on CPU: the C++ kernel, all in one call
-            if kernel is not None:
-                if self._segments is None:
-                    self._segments = cpu_prefill_attention.equal_length_segments(b, t)
-                return kernel(q, k, v, self._segments, q.shape[-1] ** -0.5, sliding_window or 0)
+        math = cpu_prefill_attention.kernel_math(q, math_dtype, t)
+        if math is not None:  # fp32 on CPU: the C++ kernel, all in one call
+            if self._segments is None:
+                self._segments = cpu_prefill_attention.equal_length_segments(b, t)
+            return cpu_prefill_attention.prefill_attention_kernel()(q, k, v, self._segments, q.shape[-1] ** -0.5,
+                                                                    sliding_window or 0, math == "bf16")
         shape = lambda a: a.reshape(b, t, a.shape[1], a.shape[2]).transpose(1, 2)  # noqa: E731
         mask, is_causal = causal_mask(t, 0, sliding_window, q.device)
         mq, mk, mv = sdpa_math(q, k, v, math_dtype if t >= PROMPT_MATH_MIN_QUERIES else None)

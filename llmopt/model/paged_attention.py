@@ -52,7 +52,7 @@ class PagedAttention(AttentionBackend):
     `cpu_decode`: the C++ decode kernel (`llmopt.kernels.cpu_paged_attention`, handed in by the
     CPU backend for fp32 queries) that reads K/V from the pools without a gather; None: the
     PyTorch decode. `cpu_prefill`: the C++ prompt attention kernel (`llmopt.kernels.cpu_prefill_attention`,
-    also for fp32 queries) for prompt chunks whose SDPA would run in fp32; None: SDPA.
+    also for fp32 queries) for prompt chunks in the math it has (`cpu_prefill_attention.kernel_math`); None: SDPA.
     """
 
     block_table_dtype = torch.int64  # of block tables and context lengths: what the C++ decode kernel reads
@@ -85,11 +85,12 @@ class PagedAttention(AttentionBackend):
         if n:
             out[:n] = self._decode(q[:n], k_cache, v_cache, md, sliding_window)
         for start, end, slots, context_len in md.prefills:
-            if self.cpu_prefill is not None and math_dtype is None:
+            math = cpu_prefill_attention.kernel_math(q, math_dtype, end - start) if self.cpu_prefill is not None else None
+            if math is not None:
                 keys, values = select_rows(k_cache, slots).float(), select_rows(v_cache, slots).float()
                 segment = cpu_prefill_attention.chunk_segments(end - start, context_len)
                 out[start:end] = self.cpu_prefill(q[start:end], keys, values, segment, q.shape[-1] ** -0.5,
-                                                  sliding_window or 0)
+                                                  sliding_window or 0, math == "bf16")
             else:
                 out[start:end] = paged_prefill_attention(q[start:end], k_cache, v_cache, slots, context_len,
                                                          sliding_window, math_dtype)

@@ -52,10 +52,11 @@ class PackedAttention(AttentionBackend):
         self._segment_rows: torch.Tensor | None = None
 
     def forward(self, layer_idx, q, k, v, sliding_window, math_dtype=None):
-        if math_dtype is None and cpu_prefill_attention.supports(q):
-            kernel = cpu_prefill_attention.prefill_attention_kernel()
-            if kernel is not None:  # every sequence in one call
-                return kernel(q, k, v, self._segments(), q.shape[-1] ** -0.5, sliding_window or 0)
+        # every sequence in one call, its math chosen by the forward's size (a prompt-sized pass, as the dense layers')
+        math = cpu_prefill_attention.kernel_math(q, math_dtype, q.shape[0])
+        if math is not None:
+            return cpu_prefill_attention.prefill_attention_kernel()(q, k, v, self._segments(), q.shape[-1] ** -0.5,
+                                                                    sliding_window or 0, math == "bf16")
         out = torch.empty_like(q)
         for start, n, prefix in zip(self.starts, self.seq_lens, self.prefix_of):
             end = start + n

@@ -14,10 +14,10 @@ import torch
 from llmopt.core.fp8_weight import Fp8Weight
 from llmopt.core.quantized_weight import PackedQuantizedWeight, QuantizedWeight
 from llmopt.kernels.cpu_fused import fused_ops
-from llmopt.kernels.cpu_linear import bf16_prompt_attention, fp32_gemm, prefill_kernel, skinny_linear_kernel
+from llmopt.kernels.cpu_linear import fp32_gemm, prefill_kernel, skinny_linear_kernel
 from llmopt.kernels.cpu_paged_attention import KV_DTYPES as KERNEL_KV_DTYPES, decode_kernel
 from llmopt.kernels.cpu_prefill_attention import HEAD_DIM_MULTIPLE as PREFILL_HEAD_DIM_MULTIPLE
-from llmopt.kernels.cpu_prefill_attention import prefill_attention_kernel
+from llmopt.kernels.cpu_prefill_attention import bf16_prompt_attention, prefill_attention_kernel
 from llmopt.model.backends.base import KernelBackend
 from llmopt.model.fp8_linear import cpu_fp8_linear
 from llmopt.model.int4_linear import cpu_int4_linear, int4_linear
