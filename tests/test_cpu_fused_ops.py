@@ -77,6 +77,23 @@ def test_silu_and_mul_on_bf16_rows_is_the_fp32_result_rounded_once(rows, inter):
         assert not torch.equal(got[1:], (F.silu(gate) * up)[1:])  # bf16 arithmetic rounds twice
 
 
+@pytest.mark.skipif(ops is None or ops.cpu_isa_supported() not in ("avx512", "amx"),
+                    reason="the AVX-512 path needs AVX-512 F/BW/VL/VNNI (this CPU or build lacks them)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_and_mul_avx512_path_is_bitwise_the_avx2_one(dtype):
+    """16 lanes take the 8-lane steps per lane: the same bits, columns past the last 16 (and 8) included."""
+    gen = _gen(7)
+    x = (torch.randn(37, 2 * (1536 + 8 + 5), generator=gen) * 6).to(dtype)
+    x[0, :3] = torch.tensor([float("nan"), 100.0, -100.0])
+    previous = ops.set_cpu_isa("avx2")
+    try:
+        narrow = ops.silu_and_mul(x)
+    finally:
+        ops.set_cpu_isa(previous)
+    wide = ops.silu_and_mul(x)
+    torch.testing.assert_close(wide, narrow, rtol=0, atol=0, equal_nan=True)
+
+
 def test_bad_shapes_are_refused():
     with pytest.raises(RuntimeError, match="2 \\* I"):
         ops.silu_and_mul(torch.randn(2, 3))

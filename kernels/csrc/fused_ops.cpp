@@ -10,6 +10,7 @@
 #include <c10/util/BFloat16.h>
 #include <cmath>
 
+#include "isa.h"
 #if defined(__AVX2__) && defined(__FMA__)
 #include "vec_math.h"
 
@@ -145,6 +146,23 @@ static inline void store8_bf16(c10::BFloat16* p, __m256 v) {
 static inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
 static inline void store8(c10::BFloat16* p, __m256 v) { store8_bf16(p, v); }
 
+#if LLMOPT_COMPILED_AVX512
+// store8 and load8 on 16 lanes, bitwise the same per lane
+static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+static inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+static inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+static inline void store16(c10::BFloat16* p, __m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
+}
+#endif
+
 // columns [c0, c1) of silu(gate) * up for n rows of [gate | up] in T (float or bf16; rows `ldx` apart) into
 // out (rows `ldo` apart), computed in fp32 (bf16: widened, then rounded once). c0 a multiple of 8 and c1
 // one or I: each column takes the vector or the scalar code as it does over the whole row.
@@ -152,11 +170,25 @@ template <typename T>
 static void silu_and_mul_cols(const T* xp, int64_t ldx, T* op, int64_t ldo, int64_t n, int64_t I, int64_t c0,
                               int64_t c1) {
   const __m256 one = _mm256_set1_ps(1.f);
+#if LLMOPT_COMPILED_AVX512
+  // 16 lanes where the AVX-512 path is on: the 8-lane steps per lane (bitwise the same result), half the instructions
+  const bool wide = llmopt_isa::active_isa() >= llmopt_isa::kAvx512;
+#endif
   for (int64_t r = 0; r < n; ++r) {
     const T* g = xp + r * ldx;
     const T* u = g + I;
     T* o = op + r * ldo;
     int64_t i = c0;
+#if LLMOPT_COMPILED_AVX512
+    if (wide) {
+      const __m512 one16 = _mm512_set1_ps(1.f);
+      for (; i + 16 <= c1; i += 16) {
+        const __m512 gv = load16(g + i);
+        const __m512 sig = _mm512_div_ps(gv, _mm512_add_ps(one16, exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
+        store16(o + i, _mm512_mul_ps(sig, load16(u + i)));
+      }
+    }
+#endif
     for (; i + 8 <= c1; i += 8) {
       const __m256 gv = load8(g + i);
       const __m256 sig = _mm256_div_ps(gv, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv))));
