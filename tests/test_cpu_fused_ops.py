@@ -35,6 +35,13 @@ def test_rms_norm_and_fused_add(rows, hidden):
     x_before = x.clone()
     got_out, got_summed = norm(x, residual=residual)
     assert torch.equal(got_out, out) and torch.equal(got_summed, summed) and torch.equal(x, x_before)
+    # bf16 x (a prompt product's bf16 result): bitwise what fp32 x widened from it gives
+    x16 = x.bfloat16()
+    out16, summed16 = ops.add_rms_norm(x16, residual, norm.weight, norm.eps)
+    want_out, want_summed = ops.add_rms_norm(x16.float(), residual, norm.weight, norm.eps)
+    assert out16.dtype == summed16.dtype == torch.float32
+    assert torch.equal(out16, want_out) and torch.equal(summed16, want_summed)
+    assert torch.equal(summed16, residual + x16)  # PyTorch's promotion: the reference takes bf16 x too
 
 
 def test_rotary_in_place_on_strided_views():

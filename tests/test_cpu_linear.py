@@ -327,26 +327,32 @@ def test_a_bf16_result_is_the_bf16_product_the_fp32_result_widens():
 
 
 @needs_onednn_bf16
-def test_bf16_gate_up_products_change_no_bit_of_the_model(tiny_models):
-    """Where the decoder ops take bf16 into silu_and_mul, the engine's bf16 prompt products hand the gate_up
-    product over in bf16: the hidden states are bitwise those of widening it first."""
+def test_bf16_products_handed_over_change_no_bit_of_the_model(tiny_models):
+    """Where the decoder ops take bf16 into silu_and_mul and add_rms_norm, the engine's bf16 prompt products hand the
+    gate_up, o_proj and down_proj products over in bf16 (the residual add widens down_proj's): the hidden states are
+    bitwise those of widening them first. qkv's and the vocabulary projection's stay fp32."""
     from llmopt.loader import load
     from llmopt.model.attention import EqualLengthAttention
 
     loaded = load(str(tiny_models["llama"]), dtype="float32")
     model = loaded.model
-    if not (model.ops.silu_and_mul_takes_bf16 and prefill_kernel("bf16") is BF16_TENSORS):
+    if not (model.ops.silu_and_mul_takes_bf16 and model.ops.add_rms_norm_takes_bf16
+            and prefill_kernel("bf16") is BF16_TENSORS):
         pytest.skip("the decoder ops here do not take bf16, or this CPU's bf16 products are not bf16 tensors")
     assert model.use_fp32_matmul_precision("bf16")
-    gate_ups = [layer.mlp.gate_up_proj for layer in model.model.layers]
-    assert all(m.prefill_bf16_result for m in gate_ups)
-    assert not any(m.prefill_bf16_result for m in model.modules() if isinstance(m, DenseLinear) and m not in gate_ups)
+    handed = [m for layer in model.model.layers
+              for m in (layer.mlp.gate_up_proj, layer.mlp.down_proj, layer.self_attn.o_proj)]
+    assert all(m.prefill_bf16_result for m in handed)
+    assert not any(m.prefill_bf16_result for m in model.modules() if isinstance(m, DenseLinear) and m not in handed)
     ids = torch.randint(3, model.config.vocab_size, (2 * 150,), generator=torch.Generator().manual_seed(1))
     positions = torch.arange(150).repeat(2)
     bf16_hand_over = model(ids, positions, EqualLengthAttention(2, 150))
-    for m in gate_ups:
+    for m in handed:
         m.prefill_bf16_result = False
-    assert torch.equal(model(ids, positions, EqualLengthAttention(2, 150)), bf16_hand_over)
+    widened = model(ids, positions, EqualLengthAttention(2, 150))
+    assert torch.equal(widened, bf16_hand_over)
+    model.use_fp32_matmul_precision("ieee")
+    assert not torch.equal(model(ids, positions, EqualLengthAttention(2, 150)), widened)  # the bf16 products ran
 
 
 @needs_onednn_bf16

@@ -73,18 +73,38 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
   return out;
 }
 
-// (w * norm(x + residual), x + residual): the residual add and the next RMSNorm in one pass
+// add_rms_norm_rows for bf16 x rows (contiguous): each widened (exact), then the fp32 steps
+static void add_rms_norm_rows_bf16(const c10::BFloat16* x, const float* residual, float* summed, const float* w,
+                                   float* out, int64_t n, int64_t h, float eps) {
+  for (int64_t r = 0; r < n; ++r) {
+    float* s = summed + r * h;
+    const float* res = residual + r * h;
+    const c10::BFloat16* xr = x + r * h;
+    for (int64_t i = 0; i < h; ++i) s[i] = res[i] + static_cast<float>(xr[i]);
+    rms_norm_row(s, w, out + r * h, h, eps);
+  }
+}
+
+// (w * norm(x + residual), x + residual): the residual add and the next RMSNorm in one pass. x fp32, or bf16 (a
+// prompt-sized product's bf16 result): the same as on x widened to fp32
 std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor w, double eps) {
-  check_rows(x, w, "add_rms_norm");
-  TORCH_CHECK(residual.sizes() == x.sizes() && residual.is_contiguous() && residual.dtype() == torch::kFloat32,
-              "add_rms_norm: residual like x");
+  const bool bf16 = x.dtype() == torch::kBFloat16;
+  check_rows(bf16 ? residual : x, w, "add_rms_norm");
+  TORCH_CHECK(residual.sizes() == x.sizes() && x.is_contiguous() && residual.is_contiguous() &&
+                  residual.dtype() == torch::kFloat32,
+              "add_rms_norm: residual fp32 of x's shape, x fp32 or bf16");
   const int64_t n = x.size(0), h = x.size(1);
-  auto summed = torch::empty_like(x);
-  auto out = torch::empty_like(x);
-  const float *xp = x.data_ptr<float>(), *rp = residual.data_ptr<float>(), *wp = w.data_ptr<float>();
+  auto summed = torch::empty_like(residual);
+  auto out = torch::empty_like(residual);
+  const float *rp = residual.data_ptr<float>(), *wp = w.data_ptr<float>();
   float *sp = summed.data_ptr<float>(), *op = out.data_ptr<float>();
   at::parallel_for(0, n, grain_for(h), [&](int64_t b, int64_t e) {
-    add_rms_norm_rows(xp + b * h, h, rp + b * h, sp + b * h, wp, op + b * h, e - b, h, static_cast<float>(eps));
+    if (bf16)
+      add_rms_norm_rows_bf16(x.data_ptr<c10::BFloat16>() + b * h, rp + b * h, sp + b * h, wp, op + b * h, e - b, h,
+                             static_cast<float>(eps));
+    else
+      add_rms_norm_rows(x.data_ptr<float>() + b * h, h, rp + b * h, sp + b * h, wp, op + b * h, e - b, h,
+                        static_cast<float>(eps));
   });
   return {out, summed};
 }

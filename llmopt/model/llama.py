@@ -173,12 +173,17 @@ class LlamaForCausalLM(nn.Module):
         for m in self.modules():
             if isinstance(m, Attention):
                 m.prompt_math_dtype = torch.bfloat16 if attention_bf16 else None
-        # the gate_up product stays bf16 where silu_and_mul takes it so: its result feeds the down projection
-        bf16_gate_up = ({id(m.gate_up_proj) for m in self.modules() if isinstance(m, MLP)}
-                        if self.ops.silu_and_mul_takes_bf16 else set())
+        # products that stay bf16 where their consumer takes them so, bitwise as if widened: gate_up's (silu_and_mul,
+        # whose result feeds the down projection), o_proj's (the fused residual add and norm), down_proj's (the
+        # residual add, which widens it)
+        bf16_results = {id(m.down_proj) for m in self.modules() if isinstance(m, MLP)}
+        if self.ops.silu_and_mul_takes_bf16:
+            bf16_results |= {id(m.gate_up_proj) for m in self.modules() if isinstance(m, MLP)}
+        if self.ops.add_rms_norm_takes_bf16:
+            bf16_results |= {id(m.o_proj) for m in self.modules() if isinstance(m, Attention)}
         dense = [m for m in self.modules() if isinstance(m, DenseLinear)]
         return any([m.use_prefill_kernel(logits_kernel if m is self.lm_head else kernel,
-                                         bf16_result=id(m) in bf16_gate_up) for m in dense])
+                                         bf16_result=id(m) in bf16_results) for m in dense])
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend,

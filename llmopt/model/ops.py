@@ -59,6 +59,9 @@ class DecoderOps:
     # whether silu_and_mul also takes bf16 rows and returns bf16: its fp32 result on the widened input, rounded
     # once (a prompt-sized gate_up product rounded to bf16 then goes to the down projection without conversions)
     silu_and_mul_takes_bf16: bool = False
+    # whether add_rms_norm takes bf16 x (fp32 residual) and returns what it gives on x widened to fp32, bitwise: a
+    # prompt-sized o_proj product rounded to bf16 then goes in without a conversion
+    add_rms_norm_takes_bf16: bool = False
 
 
 REFERENCE_OPS = DecoderOps("reference", rms_norm, add_rms_norm, rotary, silu_and_mul)

@@ -105,4 +105,4 @@ def _fused_decoder_ops(fused) -> DecoderOps:
         return fused.silu_and_mul(gate_up.contiguous()) if gate_up.dim() == 2 else silu_and_mul(gate_up)
 
     return DecoderOps(CpuBackend.name, cpu_rms_norm, cpu_add_rms_norm, cpu_rotary, cpu_silu_and_mul,
-                      silu_and_mul_takes_bf16=True)
+                      silu_and_mul_takes_bf16=True, add_rms_norm_takes_bf16=True)
