@@ -1,7 +1,9 @@
 """The C++ prompt attention kernel (`kernels/cpu_prefill_attention.py`) against the PyTorch path it replaced,
 on the same random inputs: packed MMLU-sized sequences of even and of uneven lengths (one SDPA call each, as
 `PackedAttention` made them), 4 and 1 x 512 tokens (batched SDPA, as `EqualLengthAttention`) and 1 x 2,048.
-Prints ms per call, alternating the two paths `--rounds` times, and the largest difference.
+Prints ms per call, alternating the two paths `--rounds` times, and the largest difference; where the kernel's
+bf16 products run here (`cpu_prefill_attention.bf16_products`), the kernel with them too, and their largest
+difference from the fp32 kernel.
 
     python scripts/bench_prompt_attention.py                 # the default model's heads: 9 / 3 kv, head_dim 64
     python scripts/bench_prompt_attention.py --heads 32 --kv-heads 8 --head-dim 64 --rounds 3
@@ -15,7 +17,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from llmopt.kernels.cpu_prefill_attention import equal_length_segments, prefill_attention_kernel
+from llmopt.kernels.cpu_prefill_attention import bf16_products, equal_length_segments, prefill_attention_kernel
 from llmopt.kernels.paged_attention import attend, causal_mask
 
 MMLU_LENS = [112, 97, 130, 88, 140, 101, 77, 120, 95, 105, 99, 110, 90, 85, 115, 100, 92, 80]  # 18 MMLU-sized
@@ -75,6 +77,12 @@ def main() -> None:
         times = [(timed(ref, args.iters), timed(ker, args.iters)) for _ in range(args.rounds)]
         cells = ", ".join(f"SDPA {a:.2f} ms / kernel {b:.2f} ms ({a / b:.2f}x)" for a, b in times)
         print(f"{name}: {cells}; max |difference| {diff:.1e}", flush=True)
+        if bf16_products():
+            ker16 = lambda: kernel(q, k, v, segments, args.head_dim ** -0.5, 0, True)  # noqa: E731
+            diff16 = (ker() - ker16()).abs().max().item()
+            times = [(timed(ker, args.iters), timed(ker16, args.iters)) for _ in range(args.rounds)]
+            cells = ", ".join(f"fp32 {a:.2f} ms / bf16 {b:.2f} ms ({a / b:.2f}x)" for a, b in times)
+            print(f"  the kernel's products in fp32 / bf16: {cells}; max |difference| {diff16:.1e}", flush=True)
 
 
 if __name__ == "__main__":
