@@ -56,7 +56,8 @@ class EngineConfig:
         "auto", "float32 models on CPU: what the matrix products of prompt chunks (over 96 rows) compute in: ieee "
         "(float32); bf16 (bfloat16 inputs, float32 sums and results on AMX tiles, 4-6x the float32 "
         "rate per product, logits ~1e-4 nats KLD from ieee on the default model; on AVX512-BF16 without AMX "
-        "~1.7x, the decoder's products rounded to bf16 too, ~2e-4 nats); auto: bf16 where the CPU has "
+        "~1.7x, the decoder's products rounded to bf16 too and prompt attention in bf16 products, ~2e-4 nats); auto: "
+        "bf16 where the CPU has "
         "AMX-BF16 or AVX512-BF16, else ieee. Decode steps stay float32; the vocabulary projection is never rounded to bf16.",
         choices=FP32_MATMUL_PRECISIONS)
     enforce_eager: bool = engine_option(
