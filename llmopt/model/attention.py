@@ -98,7 +98,7 @@ class EqualLengthAttention(AttentionBackend):
     def forward(self, layer_idx, q, k, v, sliding_window, math_dtype=None):
         b, t = self.num_seqs, self.seq_len
         math = cpu_prefill_attention.kernel_math(q, math_dtype, t)
-        if math is not None:  # fp32 on CPU: the C++ kernel, all in one call
+        if math is not None:  # fp32 queries on CPU: the C++ kernel (fp32 or bf16 products), all in one call
             if self._segments is None:
                 self._segments = cpu_prefill_attention.equal_length_segments(b, t)
             return cpu_prefill_attention.prefill_attention_kernel()(q, k, v, self._segments, q.shape[-1] ** -0.5,
