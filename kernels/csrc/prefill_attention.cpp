@@ -296,21 +296,6 @@ void copy_pairs(const float* const* key_rows, const float* const* value_rows, in
 }
 #endif
 
-#if LLMOPT_COMPILED_BF16_DOT
-inline void to_pairs_any(const float* x, int64_t D, uint32_t* out) { to_pairs(x, D, out); }
-inline void attend_pairs(const uint32_t* qp, float scale, int64_t M, int64_t Mp, int64_t D, const uint32_t* ktp,
-                         int64_t ldkt, int64_t ldk, const uint32_t* vp, const int64_t* first, const int64_t* last,
-                         float* scores, uint16_t* weights, float* const* out_rows) {
-  attend_item_bf16(qp, scale, M, Mp, D, ktp, ldkt, ldk, vp, first, last, scores, weights, out_rows);
-}
-#else  // never called: bf16_products_available() is false in such a build
-inline void copy_pairs(const float* const*, const float* const*, int64_t, int64_t, int64_t, std::vector<uint32_t>&,
-                       std::vector<uint32_t>&) {}
-inline void to_pairs_any(const float*, int64_t, uint32_t*) {}
-inline void attend_pairs(const uint32_t*, float, int64_t, int64_t, int64_t, const uint32_t*, int64_t, int64_t,
-                         const uint32_t*, const int64_t*, const int64_t*, float*, uint16_t*, float* const*) {}
-#endif
-
 }  // namespace
 
 // Whether this build and CPU take bf16 products now (AVX512-BF16 compiled and present, the AVX-512 path active).
@@ -389,8 +374,10 @@ torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor 
         key_rows[j] = kp + (row * KVH + h) * D;
         value_rows[j] = vp + (row * KVH + h) * D;
       }
-      if (bf16_products) {
+      if (bf16_products) {  // only where compiled (bf16_products_available)
+#if LLMOPT_COMPILED_BF16_DOT
         copy_pairs(key_rows.data(), value_rows.data(), nk, ldk, D, kt_pairs, v_pairs);
+#endif
       } else {
         kt.resize(D * ldk);
         for (int64_t d = 0; d < D; ++d) {
@@ -416,11 +403,13 @@ torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor 
             last[r] = pos - bottom;
           }
         if (bf16_products) {
+#if LLMOPT_COMPILED_BF16_DOT
           q_pairs.assign(Mp * D / 2, 0u);
           weights.resize(Mp * block_ldk);
-          for (int64_t r = 0; r < M; ++r) to_pairs_any(q_rows[r], D, q_pairs.data() + r * D / 2);
-          attend_pairs(q_pairs.data(), fscale, M, Mp, D, kt_pairs.data(), ldk, block_ldk, v_pairs.data(), first.data(),
-                       last.data(), scores.data(), weights.data(), out_rows.data());
+          for (int64_t r = 0; r < M; ++r) to_pairs(q_rows[r], D, q_pairs.data() + r * D / 2);
+          attend_item_bf16(q_pairs.data(), fscale, M, Mp, D, kt_pairs.data(), ldk, block_ldk, v_pairs.data(),
+                           first.data(), last.data(), scores.data(), weights.data(), out_rows.data());
+#endif
         } else {
           attend_item(q_rows.data(), fscale, M, Mp, D, kt.data(), ldk, block_ldk, value_rows.data(), first.data(),
                       last.data(), scores.data(), out_rows.data());
