@@ -75,7 +75,7 @@ needs_bf16_products = pytest.mark.skipif(kernel is None or not bf16_products(),
 
 @needs_bf16_products
 @pytest.mark.parametrize("heads,kv_heads", [(9, 3), (8, 1)])
-@pytest.mark.parametrize("head_dim", [64, 16, 80])
+@pytest.mark.parametrize("head_dim", [64, 16, 80, 128])
 @pytest.mark.parametrize("window", [None, 40])
 def test_bf16_products_match_the_reference_on_rounded_inputs(heads, kv_heads, head_dim, window):
     """bf16 products: the float64 reference over the bf16-rounded q, K, V, up to the softmax weights' bf16 rounding
