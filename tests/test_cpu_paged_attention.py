@@ -69,6 +69,38 @@ def test_long_contexts_split_into_chunks_match(heads, kv_heads, sliding_window, 
     assert torch.equal(alone, got[:1])
 
 
+def _avx512_path_available() -> bool:
+    from llmopt.kernels.cpu_extension import cpu_ops
+
+    ops = cpu_ops()
+    return ops is not None and ops.cpu_isa_supported() in ("avx512", "amx")
+
+
+@pytest.mark.skipif(not _avx512_path_available(),
+                    reason="the AVX-512 path needs AVX-512 F/BW/VL/VNNI (this CPU or build lacks them)")
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (32, 8), (8, 1), (12, 2), (7, 7)])  # groups of 3, 4, 8, 6, 1
+@pytest.mark.parametrize("head_dim", [64, 128, 80, 16])  # 80: a last block of one 16-float piece
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_avx512_path_is_bitwise_the_avx2_one(heads, kv_heads, head_dim, kv_dtype):
+    """Rows loaded once for several query heads take the same sums in the same order: the same bits,
+    across chunked contexts, key tails (lengths not a multiple of 8) and sliding windows."""
+    from llmopt.kernels.cpu_extension import cpu_ops
+
+    ops = cpu_ops()
+    lens = [1, 7, 9, 130, 300, 64]
+    q, k_cache, v_cache, tables, context = _case(lens, heads, kv_heads, head_dim, 16, seed=heads * head_dim,
+                                                 kv_dtype=kv_dtype)
+    q = q * 3
+    for window in (-1, 100):
+        previous = ops.set_cpu_isa("avx2")
+        try:
+            narrow = ops.paged_decode(q, k_cache, v_cache, tables, context, 16, head_dim ** -0.5, window)
+        finally:
+            ops.set_cpu_isa(previous)
+        wide = ops.paged_decode(q, k_cache, v_cache, tables, context, 16, head_dim ** -0.5, window)
+        assert torch.equal(wide, narrow)
+
+
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
 def test_kernel_reads_only_each_sequences_blocks(kv_dtype):
     """Poison every slot no sequence owns: a stray read would show up as NaN."""

@@ -4,8 +4,9 @@
 // (sequence, kv head, chunk of 128 positions), chunks merged by their maxes. The pool may hold fp32, bf16 or fp16 K/V (`--kv-cache-dtype`): 16-bit
 // rows are widened to fp32 as they are loaded, so scores, softmax, accumulation and output stay
 // fp32 and a 16-bit pool halves the bytes read. With AVX2 + FMA and head_dim % 8 == 0: 8 keys
-// per group of FMA chains, vectorised exp, prefetch of the next scattered rows; otherwise plain
-// loops. The pure-PyTorch path (kernels/paged_attention.py) is the reference.
+// per group of FMA chains, vectorised exp, prefetch of the next scattered rows; on the AVX-512 path
+// (csrc/isa.h) and head_dim % 16 == 0 the same sums with each row loaded once for up to 3 (scores)
+// or 4 (values) query heads, bitwise the AVX2 path's; otherwise plain loops. The pure-PyTorch path (kernels/paged_attention.py) is the reference.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -14,6 +15,7 @@
 #include <cmath>
 #include <limits>
 #include <vector>
+#include "isa.h"
 #include "paged_decode.h"
 
 // Each (sequence, kv head) item: `rows[i]` is the element offset of the i-th attended position's
@@ -219,6 +221,152 @@ static void values_avx2(const Item& it, const T* v, const float* p, const float*
 
 static constexpr bool kHaveAvx2 = true;
 
+#if LLMOPT_COMPILED_AVX512
+// The AVX-512 path: the same sums as scores_avx2 / values_block, each key and value row loaded (and
+// widened, for a 16-bit pool) once for a group of query heads instead of once per head. The 8-lane
+// path reloads a row per head because 8 keys' chains for one head fill AVX2's 16 registers; AVX-512's
+// 32 hold them for three heads. Every (key, head) dot product and every output lane takes the same
+// FMAs in the same order as on the 8-lane path, so the two paths' results are bitwise equal.
+
+// 16 pool elements as 16 fp32 lanes
+static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+static inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+static inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// heads [g0, g0 + GB) of scores_avx2, 8 keys at a time: 8 * GB chains of 8 lanes (the d-th piece of
+// key r feeds the GB heads' chains of r); `prefetch`: the group that walks ahead for every group
+template <int GB, typename T>
+static void scores_group(const Item& it, int64_t g0, const T* k, const T* v, bool prefetch, float* scores,
+                         float* maxes) {
+  const int64_t n = it.n, D = it.D;
+  const __m256 vscale = _mm256_set1_ps(it.scale);
+  if (prefetch)
+    for (int64_t j = 0; j < std::min(n, kAhead); ++j) {
+      prefetch_row(k + it.rows[j], D);
+      prefetch_row(v + it.rows[j], D);
+    }
+  __m256 vmax[GB];
+  for (int g = 0; g < GB; ++g) vmax[g] = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const T* kr[8];
+    for (int r = 0; r < 8; ++r) kr[r] = k + it.rows[i + r];
+    if (prefetch)
+      for (int64_t j = i + kAhead; j < std::min(n, i + kAhead + 8); ++j) {
+        prefetch_row(k + it.rows[j], D);
+        prefetch_row(v + it.rows[j], D);
+      }
+    __m256 acc[GB][8];
+    for (int g = 0; g < GB; ++g)
+      for (int r = 0; r < 8; ++r) acc[g][r] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d += 8) {
+      __m256 qv[GB];
+      for (int g = 0; g < GB; ++g) qv[g] = _mm256_loadu_ps(it.q + (g0 + g) * D + d);
+      for (int r = 0; r < 8; ++r) {
+        const __m256 kv = load8(kr[r] + d);
+        for (int g = 0; g < GB; ++g) acc[g][r] = _mm256_fmadd_ps(qv[g], kv, acc[g][r]);
+      }
+    }
+    for (int g = 0; g < GB; ++g) {
+      const __m256 s = _mm256_mul_ps(reduce8(acc[g]), vscale);
+      _mm256_storeu_ps(scores + (g0 + g) * n + i, s);
+      vmax[g] = _mm256_max_ps(vmax[g], s);
+    }
+  }
+  for (int g = 0; g < GB; ++g) {
+    float lanes[8];
+    _mm256_storeu_ps(lanes, vmax[g]);
+    for (float s : lanes) maxes[g0 + g] = std::max(maxes[g0 + g], s);
+  }
+  for (; i < n; ++i)  // scores_avx2's tail
+    for (int64_t g = g0; g < g0 + GB; ++g) {
+      __m256 acc = _mm256_setzero_ps();
+      for (int64_t d = 0; d < D; d += 8)
+        acc = _mm256_fmadd_ps(_mm256_loadu_ps(it.q + g * D + d), load8(k + it.rows[i] + d), acc);
+      __m256 one[8] = {acc, acc, acc, acc, acc, acc, acc, acc};
+      float lanes[8];
+      _mm256_storeu_ps(lanes, reduce8(one));
+      const float s = lanes[0] * it.scale;
+      scores[g * n + i] = s;
+      maxes[g] = std::max(maxes[g], s);
+    }
+}
+
+template <typename T>
+static void scores_avx512(const Item& it, const T* k, const T* v, float* scores, float* maxes) {
+  for (int64_t g0 = 0; g0 < it.G; g0 += 3) {
+    const bool first = g0 == 0;
+    switch (std::min<int64_t>(3, it.G - g0)) {
+      case 3: scores_group<3>(it, g0, k, v, first, scores, maxes); break;
+      case 2: scores_group<2>(it, g0, k, v, first, scores, maxes); break;
+      default: scores_group<1>(it, g0, k, v, first, scores, maxes); break;
+    }
+  }
+}
+
+// heads [g0, g0 + GB), output floats [d0, d0 + 16 * C): each value row's piece loaded once for the GB
+// heads; lane d of a head's accumulator sums p[i] * v_i[d] over i in order, as values_block's
+template <int GB, int C, typename T>
+static void values_group(const Item& it, int64_t g0, const T* v, const float* p, const float* sums, int64_t d0,
+                         float* out) {
+  const int64_t n = it.n;
+  __m512 acc[GB][C];
+  for (int g = 0; g < GB; ++g)
+    for (int j = 0; j < C; ++j) acc[g][j] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; ++i) {
+    if (i + 4 < n) prefetch_row(v + it.rows[i + 4] + d0, 16 * C);
+    const T* vr = v + it.rows[i] + d0;
+    __m512 w[GB];
+    for (int g = 0; g < GB; ++g) w[g] = _mm512_set1_ps(p[(g0 + g) * n + i]);
+    for (int j = 0; j < C; ++j) {
+      const __m512 vv = load16(vr + 16 * j);
+      for (int g = 0; g < GB; ++g) acc[g][j] = _mm512_fmadd_ps(w[g], vv, acc[g][j]);
+    }
+  }
+  for (int g = 0; g < GB; ++g) {
+    const __m512 inv = _mm512_set1_ps(1.f / sums[g0 + g]);
+    for (int j = 0; j < C; ++j) _mm512_storeu_ps(out + (g0 + g) * it.D + d0 + 16 * j, _mm512_mul_ps(acc[g][j], inv));
+  }
+}
+
+template <int GB, typename T>
+static void values_heads(const Item& it, int64_t g0, const T* v, const float* p, const float* sums, float* out) {
+  for (int64_t d0 = 0; d0 < it.D; d0 += 64) {
+    switch (std::min<int64_t>(4, (it.D - d0) / 16)) {
+      case 4: values_group<GB, 4>(it, g0, v, p, sums, d0, out); break;
+      case 3: values_group<GB, 3>(it, g0, v, p, sums, d0, out); break;
+      case 2: values_group<GB, 2>(it, g0, v, p, sums, d0, out); break;
+      default: values_group<GB, 1>(it, g0, v, p, sums, d0, out); break;
+    }
+  }
+}
+
+// D % 16 == 0: up to 4 heads at a time, 64 output floats at a time
+template <typename T>
+static void values_avx512(const Item& it, const T* v, const float* p, const float* sums, float* out) {
+  for (int64_t g0 = 0; g0 < it.G; g0 += 4) {
+    switch (std::min<int64_t>(4, it.G - g0)) {
+      case 4: values_heads<4>(it, g0, v, p, sums, out); break;
+      case 3: values_heads<3>(it, g0, v, p, sums, out); break;
+      case 2: values_heads<2>(it, g0, v, p, sums, out); break;
+      default: values_heads<1>(it, g0, v, p, sums, out); break;
+    }
+  }
+}
+static constexpr bool kHaveAvx512 = true;
+#else
+template <typename T>
+static void scores_avx512(const Item&, const T*, const T*, float*, float*) {}
+template <typename T>
+static void values_avx512(const Item&, const T*, const float*, const float*, float*) {}
+static constexpr bool kHaveAvx512 = false;
+#endif
+
 #else
 
 
@@ -237,6 +385,11 @@ static void scores_avx2(const Item&, const T*, const T*, float*, float*) {}
 template <typename T>
 static void values_avx2(const Item&, const T*, const float*, const float*, float*) {}
 static constexpr bool kHaveAvx2 = false;
+template <typename T>
+static void scores_avx512(const Item&, const T*, const T*, float*, float*) {}
+template <typename T>
+static void values_avx512(const Item&, const T*, const float*, const float*, float*) {}
+static constexpr bool kHaveAvx512 = false;
 
 #endif
 
@@ -287,6 +440,7 @@ static void attend(PagedDecodeWork& w, const PagedDecodeArgs& a, int64_t u0, int
   const T* kp = static_cast<const T*>(a.k);
   const T* vp = static_cast<const T*>(a.v);
   const bool vectorised = kHaveAvx2 && D % 8 == 0;
+  const bool wide = kHaveAvx512 && D % 16 == 0 && llmopt_isa::active_isa() >= llmopt_isa::kAvx512;
   std::vector<float> scores, maxes(G), sums(G), ones(G, 1.f);
   std::vector<int64_t> rows;
   for (int64_t u = u0; u < u1; ++u) {
@@ -303,7 +457,9 @@ static void attend(PagedDecodeWork& w, const PagedDecodeArgs& a, int64_t u0, int
     const Item it{a.q + b * a.q_stride + kh * G * D, rows.data(), n, G, D, a.scale};
     scores.resize(G * n);  // [G][n]: each head's scores contiguous for the softmax
     std::fill(maxes.begin(), maxes.end(), -std::numeric_limits<float>::infinity());
-    if (vectorised)
+    if (wide)
+      scores_avx512(it, kp, vp, scores.data(), maxes.data());
+    else if (vectorised)
       scores_avx2(it, kp, vp, scores.data(), maxes.data());
     else
       scores_generic(it, kp, scores.data(), maxes.data());
@@ -312,7 +468,9 @@ static void attend(PagedDecodeWork& w, const PagedDecodeArgs& a, int64_t u0, int
     const bool whole = unit.partial < 0;
     float* o = whole ? a.out + (b * H + kh * G) * D : w.part_out.data() + unit.partial * G * D;
     const float* divisors = whole ? sums.data() : ones.data();
-    if (vectorised)
+    if (wide)
+      values_avx512(it, vp, scores.data(), divisors, o);
+    else if (vectorised)
       values_avx2(it, vp, scores.data(), divisors, o);
     else
       values_generic(it, vp, scores.data(), divisors, o);
