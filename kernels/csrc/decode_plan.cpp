@@ -263,8 +263,8 @@ class DecodePlan {
         const PagedDecodeArgs args{qkv.data(), row, k_base + i * layer_slots * element,
                                    v_base + i * layer_slots * element, kv_dtype, tables.data_ptr<int64_t>(),
                                    tables.size(1), block_size, static_cast<float>(L.scale), attn.data()};
-        const llmopt_team::Range units = team.share(static_cast<int64_t>(work.units.size()));
-        paged_decode_units(work, args, units.begin, units.end);
+        const auto [u0, u1] = paged_decode_share(work, team.rank, team.size);
+        paged_decode_units(work, args, u0, u1);
         if (work.partials > 0) {
           team.sync();
           const llmopt_team::Range items = team.share(n * L.num_kv_heads);

@@ -4,6 +4,7 @@
 #pragma once
 #include <c10/core/ScalarType.h>
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 // One unit of work: a chunk of a (sequence, kv head) item's attended positions
@@ -19,6 +20,7 @@ struct PagedDecodeWork {
   std::vector<Unit> units;
   std::vector<int64_t> first_partial, num_chunks;  // per item (b * KVH + kh)
   int64_t partials = 0;
+  std::vector<int64_t> positions_before;  // per unit: the attended positions of the units before it
   std::vector<float> part_max, part_sum, part_out;  // per partial: G maxes, G sums, G * D outputs
 };
 
@@ -40,6 +42,8 @@ struct PagedDecodeArgs {
 // the units for context lengths `lens` [B] (the cut depends only on each length)
 PagedDecodeWork paged_decode_work(const int64_t* lens, int64_t B, int64_t KVH, int64_t G, int64_t D,
                                   int64_t sliding_window);
+// thread `share` of `shares`'s units [first, second): a run of about 1 / shares of the step's attended positions
+std::pair<int64_t, int64_t> paged_decode_share(const PagedDecodeWork& work, int64_t share, int64_t shares);
 // units [u0, u1): single-chunk items normalised into out, chunks into their partials
 void paged_decode_units(PagedDecodeWork& work, const PagedDecodeArgs& args, int64_t u0, int64_t u1);
 // items [i0, i1) (b * KVH + kh) with chunks: their partials merged into out, after every unit ran
