@@ -3,7 +3,8 @@ and sums only (no attention arithmetic): the pool as the runtime lays it out ([s
 position's row of one kv head 256 B every 768 B at the default model's shape) walked per (sequence, kv head) as
 the CPU decode kernel does, the same walk over a head-major block ([blocks, kv heads, block size, head dim]), and
 per sequence over all kv heads at once. 2 threads (OpenMP), T1 software prefetch some positions ahead, other
-memory read between runs so the pool comes from DRAM; prints GB/s per walk (median of 5), `--rounds` times.
+memory read between runs so the pool comes from DRAM, the pool in huge pages as the runtime's (`--pages 4k`:
+4 KiB pages); prints GB/s per walk (median of 5), `--rounds` times.
 
     python scripts/bench_kv_gather.py                       # batch 8 x 576 tokens, 30 layers, 3 kv heads x 64, fp32
 """
@@ -20,6 +21,7 @@ SOURCE = r'''
 #include <torch/extension.h>
 #include <immintrin.h>
 #include <omp.h>
+#include <vector>
 
 // unit = (layer, sequence, kv head) [per_head] or (layer, sequence) [all heads]; returns a sum so nothing is elided
 double walk(torch::Tensor pool, torch::Tensor tables, int64_t layers, int64_t B, int64_t ctx, int64_t KVH, int64_t D,
@@ -38,15 +40,28 @@ double walk(torch::Tensor pool, torch::Tensor tables, int64_t layers, int64_t B,
       const int64_t blk = t[b * W + pos / bs], off = pos % bs;
       return head_major ? base + ((blk * KVH + h) * bs + off) * D : base + ((blk * bs + off) * KVH + h) * D;
     };
-    __m256 acc = _mm256_setzero_ps();
+    // the rows' addresses first, as the kernel walks the block table once a unit (an address per load,
+    // with its two integer divisions, bounded an earlier version of this walk), then loads into 4
+    // independent sums (one chain of adds would bound the walk by their latency)
+    std::vector<const float*> rows(ctx);
+    for (int64_t i = 0; i < ctx; ++i) rows[i] = row(i);
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
     for (int64_t i = 0; i < ctx; ++i) {
       if (ahead > 0 && i + ahead < ctx) {
-        const float* r = row(i + ahead);
+        const float* r = rows[i + ahead];
         for (int64_t d = 0; d < span; d += 16) _mm_prefetch(reinterpret_cast<const char*>(r + d), _MM_HINT_T1);
       }
-      const float* r = row(i);
-      for (int64_t d = 0; d < span; d += 8) acc = _mm256_add_ps(acc, _mm256_loadu_ps(r + d));
+      const float* r = rows[i];
+      int64_t d = 0;
+      for (; d + 32 <= span; d += 32) {
+        a0 = _mm256_add_ps(a0, _mm256_loadu_ps(r + d));
+        a1 = _mm256_add_ps(a1, _mm256_loadu_ps(r + d + 8));
+        a2 = _mm256_add_ps(a2, _mm256_loadu_ps(r + d + 16));
+        a3 = _mm256_add_ps(a3, _mm256_loadu_ps(r + d + 24));
+      }
+      for (; d + 8 <= span; d += 8) a0 = _mm256_add_ps(a0, _mm256_loadu_ps(r + d));
     }
+    const __m256 acc = _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3));
     float lanes[8];
     _mm256_storeu_ps(lanes, acc);
     for (float v : lanes) total += v;
@@ -66,16 +81,23 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--pool-blocks", type=int, default=3000)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--pages", choices=["huge", "4k"], default="huge",
+                        help="the pool in transparent huge pages (as the runtime's) or 4 KiB pages")
     args = parser.parse_args()
     ext = load_inline("llmopt_kv_gather_probe", cpp_sources=SOURCE, functions=["walk"],
                       extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"])
     kvh, d, bs = args.kv_heads, args.head_dim, args.block_size
-    pool = torch.randn(args.layers * args.pool_blocks * bs * kvh * d)
+    if args.pages == "huge":  # as the runtime allocates its pools
+        from llmopt.runtime.model_runner import zeroed
+
+        pool = zeroed((args.layers * args.pool_blocks * bs * kvh * d,), torch.float32, torch.device("cpu")).normal_()
+    else:
+        pool = torch.randn(args.layers * args.pool_blocks * bs * kvh * d)
     width = -(-args.context // bs)
     tables = torch.stack([torch.randperm(args.pool_blocks)[:width] for _ in range(args.batch)]).long()
     other = torch.randn(32 << 20)  # 128 MB read between runs
     step_bytes = args.layers * args.batch * args.context * kvh * d * 4
-    walks = [("per kv head, the runtime's layout", 0, [16, 32]), ("per kv head, head-major blocks", 1, [16, 32]),
+    walks = [("per kv head, the runtime's layout", 0, [0, 16, 32]), ("per kv head, head-major blocks", 1, [16, 32]),
              ("all kv heads a sweep, the runtime's layout", 2, [0, 4, 8, 16])]
     for _ in range(args.rounds):
         for name, mode, aheads in walks:
