@@ -127,6 +127,25 @@ static inline __m256 reduce8(const __m256* a) {
   return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
+// positions [i0, n) (fewer than 8, after the 8-key groups) against heads [g0, g1), one key at a time
+// with the 8-key path's reduction
+template <typename T>
+static void score_tail(const Item& it, const T* k, int64_t i0, int64_t g0, int64_t g1, float* scores, float* maxes) {
+  const int64_t n = it.n, D = it.D;
+  for (int64_t i = i0; i < n; ++i)
+    for (int64_t g = g0; g < g1; ++g) {
+      __m256 acc = _mm256_setzero_ps();
+      for (int64_t d = 0; d < D; d += 8)
+        acc = _mm256_fmadd_ps(_mm256_loadu_ps(it.q + g * D + d), load8(k + it.rows[i] + d), acc);
+      __m256 one[8] = {acc, acc, acc, acc, acc, acc, acc, acc};  // same reduction as the 8-key path
+      float lanes[8];
+      _mm256_storeu_ps(lanes, reduce8(one));
+      const float s = lanes[0] * it.scale;
+      scores[g * n + i] = s;
+      maxes[g] = std::max(maxes[g], s);
+    }
+}
+
 // positions ahead to prefetch in the score pass (16 and 32 measured alike, 8 slower: docs/benchmarks.md,
 // "Paged decode attention")
 static constexpr int64_t kAhead = 16;
@@ -165,18 +184,7 @@ static void scores_avx2(const Item& it, const T* k, const T* v, float* scores, f
       for (int r = 0; r < 8; ++r) maxes[g] = std::max(maxes[g], lanes[r]);
     }
   }
-  for (; i < n; ++i)
-    for (int64_t g = 0; g < it.G; ++g) {
-      __m256 acc = _mm256_setzero_ps();
-      for (int64_t d = 0; d < D; d += 8)
-        acc = _mm256_fmadd_ps(_mm256_loadu_ps(it.q + g * D + d), load8(k + it.rows[i] + d), acc);
-      __m256 one[8] = {acc, acc, acc, acc, acc, acc, acc, acc};  // same reduction as the 8-key path
-      float lanes[8];
-      _mm256_storeu_ps(lanes, reduce8(one));
-      const float s = lanes[0] * it.scale;
-      scores[g * n + i] = s;
-      maxes[g] = std::max(maxes[g], s);
-    }
+  score_tail(it, k, i, 0, it.G, scores, maxes);
 }
 
 // out[0 .. 8 * C) of one head = sum_i p[i] * v_i[d0 ..] / sum: C accumulators across all rows. C is
@@ -283,18 +291,7 @@ static void scores_group(const Item& it, int64_t g0, const T* k, const T* v, boo
     _mm256_storeu_ps(lanes, vmax[g]);
     for (float s : lanes) maxes[g0 + g] = std::max(maxes[g0 + g], s);
   }
-  for (; i < n; ++i)  // scores_avx2's tail
-    for (int64_t g = g0; g < g0 + GB; ++g) {
-      __m256 acc = _mm256_setzero_ps();
-      for (int64_t d = 0; d < D; d += 8)
-        acc = _mm256_fmadd_ps(_mm256_loadu_ps(it.q + g * D + d), load8(k + it.rows[i] + d), acc);
-      __m256 one[8] = {acc, acc, acc, acc, acc, acc, acc, acc};
-      float lanes[8];
-      _mm256_storeu_ps(lanes, reduce8(one));
-      const float s = lanes[0] * it.scale;
-      scores[g * n + i] = s;
-      maxes[g] = std::max(maxes[g], s);
-    }
+  score_tail(it, k, i, g0, g0 + GB, scores, maxes);
 }
 
 template <typename T>
