@@ -5,6 +5,7 @@ through each pool, every layer called in turn. Prints ms per step and the pools'
     python scripts/bench_paged_decode.py                         # llmopt's build, the default model's shape
     python scripts/bench_paged_decode.py --so OLD/llmopt_cpu_ops.so --so NEW/llmopt_cpu_ops.so
     python scripts/bench_paged_decode.py --pool-blocks 3000 --pages 4k,huge --evict-mb 128 --rounds 12
+    python scripts/bench_paged_decode.py --pool-blocks 3000 --dtype bfloat16   # a 16-bit pool (--kv-cache-dtype)
 
 `--pool-blocks N` puts each step's blocks at random places in pools of the runtime's shape
 (`[layers, N * block size, kv heads, head dim]`, one for K and one for V) instead, in 4 KiB pages
@@ -42,6 +43,9 @@ def load_build(path: str):
     return module
 
 
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--so", action="append", default=[], help="a kernels build to time (repeatable)")
@@ -56,6 +60,8 @@ def main() -> None:
                         "small pool per layer)")
     parser.add_argument("--pages", default="huge", help="with --pool-blocks: 4k and/or huge (comma-separated)")
     parser.add_argument("--evict-mb", type=int, default=0, help="MB of other memory read before each step")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="the pools' element type "
+                        "(`--kv-cache-dtype`)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     heads, kv_heads, head_dim = (int(v) for v in args.heads.split(","))
@@ -71,7 +77,8 @@ def main() -> None:
     torch.manual_seed(0)
     evict = torch.randn(args.evict_mb << 18) if args.evict_mb else None
     shape = (args.layers, args.pool_blocks * args.block_size, kv_heads, head_dim)
-    big_pools = {pages: (_pool(shape, pages), _pool(shape, pages)) for pages in args.pages.split(",")} \
+    dtype = DTYPES[args.dtype]
+    big_pools = {pages: (_pool(shape, pages, dtype), _pool(shape, pages, dtype)) for pages in args.pages.split(",")} \
         if args.pool_blocks else {}
     for batch in (int(v) for v in args.batch.split(",")):
         blocks_per_seq = -(-args.context // args.block_size)
@@ -84,12 +91,12 @@ def main() -> None:
         else:
             num_blocks = blocks_per_seq * batch
             tables = torch.randperm(num_blocks).view(batch, blocks_per_seq)
-            layouts = {"": [(torch.randn(num_blocks * args.block_size, kv_heads, head_dim),
-                             torch.randn(num_blocks * args.block_size, kv_heads, head_dim))
+            layouts = {"": [(torch.randn(num_blocks * args.block_size, kv_heads, head_dim).to(dtype),
+                             torch.randn(num_blocks * args.block_size, kv_heads, head_dim).to(dtype))
                             for _ in range(args.layers)]}
         q = torch.randn(batch, heads, head_dim)
         lens = torch.full((batch,), args.context)
-        step_bytes = batch * args.context * kv_heads * head_dim * 4 * 2 * args.layers
+        step_bytes = batch * args.context * kv_heads * head_dim * dtype.itemsize * 2 * args.layers
         iters = max(4, 40 // batch)
         cases = [(name, ops, pages, pools) for name, ops in builds for pages, pools in layouts.items()]
         for round_ in range(args.rounds):
@@ -112,14 +119,14 @@ def main() -> None:
                       f"{args.layers} layers: {seconds * 1e3:.2f} ms per step, {step_bytes / seconds / 1e9:.1f} GB/s")
 
 
-def _pool(shape: tuple[int, ...], pages: str) -> torch.Tensor:
-    """A K or V pool of `shape` in 4 KiB pages (`4k`) or as the runtime allocates it (`huge`), filled."""
+def _pool(shape: tuple[int, ...], pages: str, dtype: torch.dtype) -> torch.Tensor:
+    """A K or V pool of `shape` and `dtype` in 4 KiB pages (`4k`) or as the runtime allocates it (`huge`), filled."""
     if pages == "4k":
-        pool = torch.from_numpy(np.zeros(shape, dtype=np.float32))
+        pool = torch.from_numpy(np.zeros(shape, dtype=np.float32)).to(dtype)
     elif pages == "huge":
         from llmopt.runtime.model_runner import zeroed
 
-        pool = zeroed(shape, torch.float32, torch.device("cpu"))
+        pool = zeroed(shape, dtype, torch.device("cpu"))
     else:
         raise SystemExit(f"--pages takes 4k and/or huge, not {pages!r}")
     return pool.normal_()

@@ -186,8 +186,12 @@ def test_latency_figures(tiny):
         assert len(run["iterations"]) == 2
         assert run["tg_tok_s"] == pytest.approx(run["batch_size"] / (run["decode_step_ms"] / 1e3))
         assert run["pp_tok_s"] == pytest.approx(run["batch_size"] * 8 / (run["prefill_ms"] / 1e3))
-        bandwidth = document["config"]["read_bandwidth_gb_s"] * 1e9
+        # against the higher of the bandwidth probes just before and after the row's measurement
+        before, after = run["read_bandwidth_probes_gb_s"]
+        assert run["read_bandwidth_gb_s"] == max(before, after) <= document["config"]["read_bandwidth_gb_s"]
+        bandwidth = run["read_bandwidth_gb_s"] * 1e9
         assert run["ideal_tg_tok_s"] == pytest.approx(run["batch_size"] * bandwidth / run["decode_step_bytes"])
+    assert runs[0]["read_bandwidth_probes_gb_s"][1] == runs[1]["read_bandwidth_probes_gb_s"][0]  # one probe between
     assert runs[1]["decode_step_bytes"] > runs[0]["decode_step_bytes"]  # one more sequence's K/V
     from llmopt.kernels.cpu_extension import cpu_isa
 

@@ -193,7 +193,8 @@ def test_latency_rows_from_llama_bench(tmp_path, step_bytes):
     binaries = LlamaCppBinaries(tmp_path / "bin", "0.3.36 native")
     config = LatencyConfig(model="default", engines=["llama.cpp"], input_len=512, output_len=128, num_iters=2)
     config.options.threads = 2
-    fresh, deep = llama_bench_runs(config, binaries, bandwidth=20e9)
+    probes = iter([10e9, 20e9, 40e9])  # before, between and after the two llama-bench runs
+    fresh, deep = llama_bench_runs(config, binaries, probe=lambda: next(probes))
     assert fresh["label"].endswith(f"{default_gguf_path().name}, 2 threads: pp512, tg128")
     assert deep["label"].endswith("tg128 @ d512") and deep["pp_tok_s"] is None
     assert fresh["pp_tok_s"] == pytest.approx(8.93455) and fresh["prefill_ms"] == pytest.approx(512e3 / 8.93455)
@@ -201,7 +202,11 @@ def test_latency_rows_from_llama_bench(tmp_path, step_bytes):
     assert fresh["decode_step_ms"] == pytest.approx(12.5)
     # the mean context of each: 64 tokens from empty, 512 + 64 after the prompt
     assert (fresh["decode_step_bytes"], deep["decode_step_bytes"]) == (10**8 + 64_000, 10**8 + 576_000)
+    # each row against the higher of the probes around it
+    assert fresh["read_bandwidth_probes_gb_s"] == [10, 20] and fresh["read_bandwidth_gb_s"] == 20
+    assert deep["read_bandwidth_probes_gb_s"] == [20, 40] and deep["read_bandwidth_gb_s"] == 40
     assert fresh["ideal_tg_tok_s"] == pytest.approx(20e9 / (10**8 + 64_000))
+    assert deep["ideal_tg_tok_s"] == pytest.approx(40e9 / (10**8 + 576_000))
     assert 0 < fresh["mbu"] == pytest.approx(fresh["tg_tok_s"] / fresh["ideal_tg_tok_s"])
     assert "-r 2" in fresh["llama_bench_commands"][0] and "-d 512" in fresh["llama_bench_commands"][1]
     rows = latency_rows({"runs": [fresh, deep]})
@@ -211,7 +216,7 @@ def test_latency_rows_from_llama_bench(tmp_path, step_bytes):
 def test_latency_says_why_llama_bench_failed(tmp_path):
     fake_llama_bench(tmp_path / "bin", crash=True)
     config = LatencyConfig(model="default", engines=["llama.cpp"], input_len=32, output_len=8, num_iters=1)
-    (run,) = llama_bench_runs(config, LlamaCppBinaries(tmp_path / "bin", "0.3.36 native"), bandwidth=20e9)
+    (run,) = llama_bench_runs(config, LlamaCppBinaries(tmp_path / "bin", "0.3.36 native"), probe=lambda: 20e9)
     assert run["skipped"].startswith("llama-bench crashed (SIGSEGV)") and run["engine"] == "llama.cpp"
     (row,) = latency_rows({"runs": [run]})
     assert row[1].startswith("skipped: llama-bench crashed")

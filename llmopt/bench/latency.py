@@ -16,8 +16,10 @@ context llmopt's decode steps run at), each as a row of its own.
 
 The roofline: bytes a decode step reads at the mean context (llmopt/bench/roofline.py) over the
 measured read bandwidth gives the ideal tg tokens/s; achieved / ideal is the model bandwidth
-utilisation (MBU). Decode is bandwidth-bound: weights are read once per step whatever B is, so
-tg tokens/s grows with B until the K/V reads or the arithmetic take over.
+utilisation (MBU). The bandwidth is probed just before and just after each row's measurement and the
+row takes the higher of the two: on a shared machine the probe moved by up to 1.8x within a minute,
+and one probe per command put some rows' MBU above 100%. Decode is bandwidth-bound: weights are read
+once per step whatever B is, so tg tokens/s grows with B until the K/V reads or the arithmetic take over.
 """
 
 from __future__ import annotations
@@ -98,9 +100,6 @@ def run_latency(config: LatencyConfig, progress: Callable[[str], None] | None = 
 
     check_config(config)
     config = replace(config, options=on_this_machine(config.options))
-    if progress:
-        progress("measuring memory bandwidth")
-    bandwidth = measure_read_bandwidth(config.options.device)
     runs = []
     for engine in config.engines:
         sizes = config.batch_sizes if engine == "llmopt" else [1]
@@ -109,12 +108,22 @@ def run_latency(config: LatencyConfig, progress: Callable[[str], None] | None = 
             progress(f"{engine}: " + (f"llama-bench ({binaries.origin})" if binaries
                                       else f"batch sizes {', '.join(map(str, sizes))}"))
         if binaries is not None:
-            runs += llama_bench_runs(config, binaries, bandwidth)
+            runs += llama_bench_runs(config, binaries, lambda: measure_read_bandwidth(config.options.device))
         else:
-            runs += isolated(_measure_engine, engine, config, sizes, bandwidth)
+            runs += isolated(_measure_engine, engine, config, sizes)
+    probes = [p for run in runs for p in run.get("read_bandwidth_probes_gb_s", [])]
     config_dict = asdict(config)
-    config_dict["read_bandwidth_gb_s"] = bandwidth / 1e9
+    config_dict["read_bandwidth_gb_s"] = max(probes) if probes else measure_read_bandwidth(config.options.device) / 1e9
     return results_document("latency", collect_metadata(), config_dict, runs)
+
+
+def bandwidth_line(document: dict[str, Any]) -> str:
+    """What the rows' MBU divided by, for a table's caption."""
+    probes = [p for run in document["runs"] for p in run.get("read_bandwidth_probes_gb_s", [])]
+    if not probes:
+        return f"measured read bandwidth {document['config']['read_bandwidth_gb_s']:.1f} GB/s"
+    return (f"measured read bandwidth {min(probes):.1f}-{max(probes):.1f} GB/s (each row's MBU against the higher "
+            "of the probes just before and after it)")
 
 
 def check_config(config: LatencyConfig) -> None:
@@ -131,8 +140,10 @@ def check_config(config: LatencyConfig) -> None:
         raise LlmoptError("--num-iters must be at least 1 and --num-iters-warmup at least 0")
 
 
-def _measure_engine(engine: str, config: LatencyConfig, sizes: list[int], bandwidth: float) -> list[dict[str, Any]]:
+def _measure_engine(engine: str, config: LatencyConfig, sizes: list[int]) -> list[dict[str, Any]]:
     import torch
+
+    from llmopt.bench.roofline import measure_read_bandwidth
 
     if config.options.threads:
         torch.set_num_threads(config.options.threads)
@@ -141,6 +152,7 @@ def _measure_engine(engine: str, config: LatencyConfig, sizes: list[int], bandwi
     except ImportError as exc:
         return [{"label": engine, "engine": engine, "skipped": f"not installed ({exc.name or exc})"}]
     runs = []
+    before = measure_read_bandwidth(config.options.device)
     for size in sizes:
         iterations = []
         for i in range(config.num_iters_warmup + config.num_iters):
@@ -149,7 +161,9 @@ def _measure_engine(engine: str, config: LatencyConfig, sizes: list[int], bandwi
             result = measure.iteration(prompts)
             if i >= config.num_iters_warmup:
                 iterations.append(result)
-        runs.append(_figures(engine, measure, size, config, iterations, bandwidth))
+        after = measure_read_bandwidth(config.options.device)
+        runs.append(_figures(engine, measure, size, config, iterations, (before, after)))
+        before = after  # the next size's probe before
     return runs
 
 
@@ -236,7 +250,7 @@ def _llama_cpp_measurer(config: LatencyConfig) -> _Measurer:
 
 
 def _figures(engine: str, measure: _Measurer, batch: int, config: LatencyConfig, iterations: list[Iteration],
-             bandwidth: float) -> dict[str, Any]:
+             probes: tuple[float, float]) -> dict[str, Any]:
     prefill = statistics.median(i.prefill_s for i in iterations)
     step = statistics.median(i.decode_step_s for i in iterations)
     e2e = [i.e2e_s for i in iterations]
@@ -251,13 +265,16 @@ def _figures(engine: str, measure: _Measurer, batch: int, config: LatencyConfig,
         run["cpu_kernels"] = measure.cpu_kernels
     if measure.step_bytes is not None:
         # the mean context over the decode steps
-        _add_roofline(run, measure.step_bytes(batch, config.input_len + config.output_len // 2), bandwidth)
+        _add_roofline(run, measure.step_bytes(batch, config.input_len + config.output_len // 2), probes)
     return run
 
 
-def _add_roofline(run: dict[str, Any], step_bytes: int, bandwidth: float) -> None:
+def _add_roofline(run: dict[str, Any], step_bytes: int, probes: tuple[float, float]) -> None:
+    """The roofline against the higher of the bandwidth probes (bytes/s) taken before and after the run."""
+    bandwidth = max(probes)
     ideal = run["batch_size"] * bandwidth / step_bytes
-    run.update(decode_step_bytes=step_bytes, ideal_tg_tok_s=ideal, mbu=run["tg_tok_s"] / ideal)
+    run.update(decode_step_bytes=step_bytes, ideal_tg_tok_s=ideal, mbu=run["tg_tok_s"] / ideal,
+               read_bandwidth_gb_s=bandwidth / 1e9, read_bandwidth_probes_gb_s=[p / 1e9 for p in probes])
 
 
 def _llama_bench_binaries():
@@ -278,9 +295,10 @@ def _test(tests, kind: str):
     raise LlmoptError(f"llama-bench reported no {kind} test")
 
 
-def llama_bench_runs(config: LatencyConfig, binaries, bandwidth: float) -> list[dict[str, Any]]:
+def llama_bench_runs(config: LatencyConfig, binaries, probe: Callable[[], float]) -> list[dict[str, Any]]:
     """llama-bench's ppN + tgN and its tgN @ dN on the model's GGUF at batch 1, as latency rows (one
-    skipped row saying why where llama-bench fails, e.g. crashes)."""
+    skipped row saying why where llama-bench fails, e.g. crashes). `probe()`: the read bandwidth now
+    (bytes/s), taken before, between and after the two llama-bench runs."""
     import torch
 
     from llmopt.bench.llama_bench import llama_bench_command, run_llama_bench
@@ -294,7 +312,11 @@ def llama_bench_runs(config: LatencyConfig, binaries, bandwidth: float) -> list[
         commands = [llama_bench_command(binary, path, n_prompt=config.input_len, n_gen=config.output_len, **common),
                     llama_bench_command(binary, path, n_prompt=0, n_gen=config.output_len, depth=config.input_len,
                                         **common)]
-        fresh, deep = (run_llama_bench(command) for command in commands)
+        probes = [probe()]
+        fresh = run_llama_bench(commands[0])
+        probes.append(probe())
+        deep = run_llama_bench(commands[1])
+        probes.append(probe())
         pp, tg, tg_deep = _test(fresh, "pp"), _test(fresh, "tg"), _test(deep, "tg")
     except LlmoptError as exc:
         return [{"label": f"llama.cpp llama-bench ({binaries.origin})", "engine": "llama.cpp", "skipped": str(exc)}]
@@ -303,29 +325,29 @@ def llama_bench_runs(config: LatencyConfig, binaries, bandwidth: float) -> list[
         "llama_cpp_build": pp.build, "llama_cpp_binaries": str(binaries.folder), "llama_cpp_note": binaries.note,
         "cpu_info": pp.cpu_info, "backends": pp.backends}
     runs = []
-    for test, with_pp, context in ((tg, True, config.output_len // 2),
-                                   (tg_deep, False, config.input_len + config.output_len // 2)):
+    for test, with_pp, context, around in ((tg, True, config.output_len // 2, probes[:2]),
+                                           (tg_deep, False, config.input_len + config.output_len // 2, probes[1:])):
         run = {**common_run, "label": f"{label}: {pp.name + ', ' if with_pp else ''}{test.name}",
                "prefill_ms": 1e3 * pp.n_prompt / pp.median_ts if with_pp else None,
                "pp_tok_s": pp.median_ts if with_pp else None, "decode_step_ms": 1e3 / test.median_ts,
                "tg_tok_s": test.median_ts, "tests": [asdict(t) for t in ((pp, test) if with_pp else (test,))]}
-        _add_roofline(run, gguf_decode_step_bytes(path, 1, context), bandwidth)
+        _add_roofline(run, gguf_decode_step_bytes(path, 1, context), tuple(around))
         runs.append(run)
     return runs
 
 
 LATENCY_COLUMNS = ["engine, batch", "prefill (ms)", "pp tok/s", "decode step (ms)", "tg tok/s",
-                   "bytes/step (MB)", "roofline tg tok/s", "MBU"]
+                   "bytes/step (MB)", "read GB/s", "roofline tg tok/s", "MBU"]
 
 
 def latency_rows(document: dict[str, Any]) -> list[list[str]]:
     rows = []
     for run in document["runs"]:
         if run.get("skipped"):
-            rows.append([run["label"], "skipped: " + run["skipped"]] + [""] * 6)
+            rows.append([run["label"], "skipped: " + run["skipped"]] + [""] * 7)
             continue
-        roof = [f"{run['decode_step_bytes'] / 1e6:.1f}", f"{run['ideal_tg_tok_s']:.1f}", f"{run['mbu']:.0%}"] \
-            if "mbu" in run else ["-", "-", "-"]
+        roof = [f"{run['decode_step_bytes'] / 1e6:.1f}", f"{run['read_bandwidth_gb_s']:.1f}",
+                f"{run['ideal_tg_tok_s']:.1f}", f"{run['mbu']:.0%}"] if "mbu" in run else ["-", "-", "-", "-"]
         pp = [f"{run['prefill_ms']:.1f}", f"{run['pp_tok_s']:.1f}"] if run.get("pp_tok_s") is not None else ["-", "-"]
         rows.append([run["label"], *pp, f"{run['decode_step_ms']:.2f}", f"{run['tg_tok_s']:.1f}", *roof])
     return rows

@@ -45,7 +45,7 @@ def _wrap(label: str, width: int = 18) -> str:
 
 
 def write_latency_report(output_dir: Path, document: dict[str, Any]) -> None:
-    from llmopt.bench.latency import LATENCY_COLUMNS, latency_rows
+    from llmopt.bench.latency import LATENCY_COLUMNS, bandwidth_line, latency_rows
 
     output_dir = Path(output_dir)
     write_results(output_dir, document)
@@ -56,7 +56,7 @@ def write_latency_report(output_dir: Path, document: dict[str, Any]) -> None:
                   {"measured": [r["tg_tok_s"] for r in ran], "roofline": [r.get("ideal_tg_tok_s") for r in ran]},
                   ylabel="decode (tg) tokens/s", title=f"{config['model']}: {hardware_line(meta)}")
     _write_markdown(output_dir, "latency", config["model"], meta, [
-        f"Measured read bandwidth {config['read_bandwidth_gb_s']:.1f} GB/s. "
+        f"{_sentence(bandwidth_line(document))}. "
         f"{config['input_len']} random prompt tokens + {config['output_len']} generated (greedy, EOS ignored) per "
         f"sequence; medians of {config['num_iters']} iterations after {config['num_iters_warmup']} warm-up. "
         "Roofline: bytes a decode step reads at the mean context (weights as stored + K/V) over the measured "
@@ -97,3 +97,7 @@ def _write_markdown(output_dir: Path, kind: str, model: str, meta: dict[str, Any
     text = "\n\n".join(p.strip() for p in head + paragraphs if p.strip()) + "\n"
     with atomic_file(output_dir / "report.md") as tmp:
         tmp.write_text(text, encoding="utf-8")
+
+
+def _sentence(text: str) -> str:
+    return text[:1].upper() + text[1:]

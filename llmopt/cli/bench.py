@@ -90,15 +90,14 @@ app.command("throughput")(throughput)
 @request_options(LatencyRequest)
 def latency(request: LatencyRequest, output: Path | None = OUTPUT_DIR, json_out: bool = JSON_OUT) -> None:
     """Prefill and decode latency at fixed batch sizes, with the memory roofline (ideal decode tokens/s)."""
-    from llmopt.bench.latency import LATENCY_COLUMNS, latency_rows, run_latency
+    from llmopt.bench.latency import LATENCY_COLUMNS, bandwidth_line, latency_rows, run_latency
     from llmopt.bench.offline_report import write_latency_report
 
     bench = request.config()
     _run_and_render(
         "latency", lambda status_line: run_latency(bench, status_line), write_latency_report, output, json_out,
         lambda document: (f"{bench.input_len} prompt + {bench.output_len} generated tokens per sequence, median of "
-                          f"{bench.num_iters}; measured read bandwidth "
-                          f"{document['config']['read_bandwidth_gb_s']:.1f} GB/s"),
+                          f"{bench.num_iters}; {bandwidth_line(document)}"),
         LATENCY_COLUMNS, latency_rows)
 
 
