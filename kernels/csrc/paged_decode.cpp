@@ -355,14 +355,7 @@ static void values_avx512(const Item& it, const T* v, const float* p, const floa
     }
   }
 }
-static constexpr bool kHaveAvx512 = true;
-#else
-template <typename T>
-static void scores_avx512(const Item&, const T*, const T*, float*, float*) {}
-template <typename T>
-static void values_avx512(const Item&, const T*, const float*, const float*, float*) {}
-static constexpr bool kHaveAvx512 = false;
-#endif
+#endif  // LLMOPT_COMPILED_AVX512
 
 #else
 
@@ -382,11 +375,6 @@ static void scores_avx2(const Item&, const T*, const T*, float*, float*) {}
 template <typename T>
 static void values_avx2(const Item&, const T*, const float*, const float*, float*) {}
 static constexpr bool kHaveAvx2 = false;
-template <typename T>
-static void scores_avx512(const Item&, const T*, const T*, float*, float*) {}
-template <typename T>
-static void values_avx512(const Item&, const T*, const float*, const float*, float*) {}
-static constexpr bool kHaveAvx512 = false;
 
 #endif
 
@@ -461,7 +449,9 @@ static void attend(PagedDecodeWork& w, const PagedDecodeArgs& a, int64_t u0, int
   const T* kp = static_cast<const T*>(a.k);
   const T* vp = static_cast<const T*>(a.v);
   const bool vectorised = kHaveAvx2 && D % 8 == 0;
-  const bool wide = kHaveAvx512 && D % 16 == 0 && llmopt_isa::active_isa() >= llmopt_isa::kAvx512;
+  // the AVX-512 path's calls are compiled only where it is (csrc/isa.h; it implies the AVX2 block above)
+  [[maybe_unused]] const bool wide =
+      LLMOPT_COMPILED_AVX512 && D % 16 == 0 && llmopt_isa::active_isa() >= llmopt_isa::kAvx512;
   std::vector<float> scores, maxes(G), sums(G), ones(G, 1.f);
   std::vector<int64_t> rows;
   for (int64_t u = u0; u < u1; ++u) {
@@ -478,9 +468,12 @@ static void attend(PagedDecodeWork& w, const PagedDecodeArgs& a, int64_t u0, int
     const Item it{a.q + b * a.q_stride + kh * G * D, rows.data(), n, G, D, a.scale};
     scores.resize(G * n);  // [G][n]: each head's scores contiguous for the softmax
     std::fill(maxes.begin(), maxes.end(), -std::numeric_limits<float>::infinity());
+#if LLMOPT_COMPILED_AVX512
     if (wide)
       scores_avx512(it, kp, vp, scores.data(), maxes.data());
-    else if (vectorised)
+    else
+#endif
+    if (vectorised)
       scores_avx2(it, kp, vp, scores.data(), maxes.data());
     else
       scores_generic(it, kp, scores.data(), maxes.data());
@@ -489,9 +482,12 @@ static void attend(PagedDecodeWork& w, const PagedDecodeArgs& a, int64_t u0, int
     const bool whole = unit.partial < 0;
     float* o = whole ? a.out + (b * H + kh * G) * D : w.part_out.data() + unit.partial * G * D;
     const float* divisors = whole ? sums.data() : ones.data();
+#if LLMOPT_COMPILED_AVX512
     if (wide)
       values_avx512(it, vp, scores.data(), divisors, o);
-    else if (vectorised)
+    else
+#endif
+    if (vectorised)
       values_avx2(it, vp, scores.data(), divisors, o);
     else
       values_generic(it, vp, scores.data(), divisors, o);
