@@ -6,6 +6,7 @@ through each pool, every layer called in turn. Prints ms per step and the pools'
     python scripts/bench_paged_decode.py --so OLD/llmopt_cpu_ops.so --so NEW/llmopt_cpu_ops.so
     python scripts/bench_paged_decode.py --pool-blocks 3000 --pages 4k,huge --evict-mb 128 --rounds 12
     python scripts/bench_paged_decode.py --pool-blocks 3000 --dtype bfloat16   # a 16-bit pool (--kv-cache-dtype)
+    python scripts/bench_paged_decode.py --layers 1 --threads 1 --isa avx2,avx512   # one layer's pools in cache
 
 `--pool-blocks N` puts each step's blocks at random places in pools of the runtime's shape
 (`[layers, N * block size, kv heads, head dim]`, one for K and one for V) instead, in 4 KiB pages
@@ -62,9 +63,15 @@ def main() -> None:
     parser.add_argument("--evict-mb", type=int, default=0, help="MB of other memory read before each step")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="the pools' element type "
                         "(`--kv-cache-dtype`)")
+    parser.add_argument("--isa", default="", help="comma-separated SIMD paths to cap each build at in turn "
+                        "(avx2, avx512: `LLMOPT_CPU_ISA`'s names; default: the widest the CPU has)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     heads, kv_heads, head_dim = (int(v) for v in args.heads.split(","))
+    isas = [v for v in args.isa.split(",") if v]
+    if any(v not in ("avx2", "avx512") for v in isas):
+        parser.error(f"--isa takes avx2 and/or avx512, not {args.isa!r}")
+    isas = isas or [""]  # "": the build's own choice
     if args.so:
         builds = [(path, load_build(path)) for path in args.so]
     else:
@@ -98,25 +105,32 @@ def main() -> None:
         lens = torch.full((batch,), args.context)
         step_bytes = batch * args.context * kv_heads * head_dim * dtype.itemsize * 2 * args.layers
         iters = max(4, 40 // batch)
-        cases = [(name, ops, pages, pools) for name, ops in builds for pages, pools in layouts.items()]
+        cases = [(name, ops, pages, pools, isa) for name, ops in builds for pages, pools in layouts.items()
+                 for isa in isas]
         for round_ in range(args.rounds):
-            for name, ops, pages, pools in cases if round_ % 2 == 0 else cases[::-1]:
+            for name, ops, pages, pools, isa in cases if round_ % 2 == 0 else cases[::-1]:
                 def step() -> None:
                     for k_cache, v_cache in pools:
                         ops.paged_decode(q, k_cache, v_cache, tables, lens, args.block_size, head_dim ** -0.5, 0)
 
-                for _ in range(3):
-                    step()
-                seconds = 0.0
-                for _ in range(iters):
-                    if evict is not None:
-                        evict.sum()
-                    start = time.perf_counter()
-                    step()
-                    seconds += time.perf_counter() - start
+                previous = ops.set_cpu_isa(isa) if isa else None
+                try:
+                    for _ in range(3):
+                        step()
+                    seconds = 0.0
+                    for _ in range(iters):
+                        if evict is not None:
+                            evict.sum()
+                        start = time.perf_counter()
+                        step()
+                        seconds += time.perf_counter() - start
+                finally:
+                    if previous is not None:
+                        ops.set_cpu_isa(previous)
                 seconds /= iters
-                print(f"{name}{f' ({pages} pages)' if pages else ''}: batch {batch} x {args.context} tokens, "
-                      f"{args.layers} layers: {seconds * 1e3:.2f} ms per step, {step_bytes / seconds / 1e9:.1f} GB/s")
+                print(f"{name}{f' ({pages} pages)' if pages else ''}{f' [{isa}]' if isa else ''}: batch {batch} x "
+                      f"{args.context} tokens, {args.layers} layers: {seconds * 1e3:.2f} ms per step, "
+                      f"{step_bytes / seconds / 1e9:.1f} GB/s")
 
 
 def _pool(shape: tuple[int, ...], pages: str, dtype: torch.dtype) -> torch.Tensor:
