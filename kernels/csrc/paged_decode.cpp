@@ -6,7 +6,8 @@
 // fp32 and a 16-bit pool halves the bytes read. With AVX2 + FMA and head_dim % 8 == 0: 8 keys
 // per group of FMA chains, vectorised exp, prefetch of the next scattered rows; on the AVX-512 path
 // (csrc/isa.h) and head_dim % 16 == 0 the same sums with each row loaded once for up to 3 (scores)
-// or 4 (values) query heads, bitwise the AVX2 path's; otherwise plain loops. The pure-PyTorch path (kernels/paged_attention.py) is the reference.
+// or 4 (values) query heads, bitwise the AVX2 path's; otherwise plain loops. The pure-PyTorch path
+// (kernels/paged_attention.py) is the reference.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
