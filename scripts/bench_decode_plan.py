@@ -1,15 +1,17 @@
-"""A batch-1 decode step's C++ part on CPU, side by side across builds of the kernels: every decoder
+"""A decode step's C++ part on CPU, side by side across builds of the kernels: every decoder
 layer (`DecodePlan.run`, llmopt/runtime/cpu_decode_plan.py) and, for int4 models, the vocabulary
 projection's int8 copy, each timed as a step runs them (weights from memory: a step reads more than
 the caches hold). Prints ms per step per build.
 
     python scripts/bench_decode_plan.py /work/bench/awq135                    # llmopt's build
     python scripts/bench_decode_plan.py MODEL --so OLD/llmopt_cpu_ops.so --so NEW/llmopt_cpu_ops.so --rounds 5
+    python scripts/bench_decode_plan.py MODEL --batch 8 --context 512 --so OLD/... --so NEW/...   # a batch of 8
 
 `--so` loads other builds (an older commit's, from its cache folder
 `$LLMOPT_CACHE/torch_extensions/<digest>/`); the builds run in turn within each round, so the VM's
 swings hit them alike. The sequence's context is `--context` tokens (a prompt of that length,
-prefilled once by llmopt's own build; the plans then write and read the same KV slots).
+prefilled once by llmopt's own build; the plans then write and read the same KV slots); `--batch`
+sequences of it decode together (different tokens each).
 """
 
 from __future__ import annotations
@@ -35,28 +37,36 @@ def main() -> None:
     parser.add_argument("model", help="model spec (an AWQ / GPTQ folder: the int4 kernels)")
     parser.add_argument("--so", action="append", default=[], help="a kernels build to time (repeatable)")
     parser.add_argument("--context", type=int, default=64, help="tokens of context at the timed step")
+    parser.add_argument("--batch", type=int, default=1, help="sequences in the timed step")
     parser.add_argument("--steps", type=int, default=300, help="timed steps per build per round")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
-    if args.context < 2 or min(args.steps, args.rounds, args.threads) < 1:
-        parser.error("--context must be at least 2, --steps, --rounds and --threads at least 1")
+    if args.context < 2 or min(args.batch, args.steps, args.rounds, args.threads) < 1:
+        parser.error("--context must be at least 2, --batch, --steps, --rounds and --threads at least 1")
     torch.set_num_threads(args.threads)
-    llm = LLM(load(args.model, dtype="float32"))
+    llm = LLM(load(args.model, dtype="float32"), max_num_seqs=max(args.batch, 8))
     runner = llm.engine.runner
     if runner.decode_plan is None:
         parser.error(f"{args.model}: its decode steps do not run through the C++ plan on this machine")
     captured = {}
     run_plan = model_runner.run_decode_plan
 
-    def capture(*call):  # the last decode step's arguments: its tokens, slots, block table
-        captured["call"] = call
+    def capture(*call):  # the widest decode step's arguments: its tokens, slots, block tables
+        if "call" not in captured or call[2].shape[0] > captured["call"][2].shape[0]:
+            captured["call"] = call
         return run_plan(*call)
 
     model_runner.run_decode_plan = capture
-    llm.generate([list(range(1, args.context))], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    prompts = [[1 + (b * 7919 + i) % 30000 for i in range(args.context - 1)] for b in range(args.batch)]
+    llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
     model_runner.run_decode_plan = run_plan
     _, model, input_ids, positions, *rest = captured["call"]
+    if input_ids.shape[0] != args.batch:
+        parser.error(f"the engine decoded at most {input_ids.shape[0]} of the {args.batch} sequences at once "
+                     "(its KV pool or batch limits)")
+    print(f"{args.batch} sequence(s) at {positions.min().item() + 1}-{positions.max().item() + 1} tokens of context, "
+          f"KV pool {runner.attn.k_caches.dtype}", flush=True)
     ops = cpu_ops()  # llmopt's build, loaded by the run above: its file again would register its types twice
     builds = [(path, ops if Path(path).resolve() == Path(ops.__file__).resolve() else load_build(path))
               for path in args.so] or [("llmopt", ops)]
@@ -65,7 +75,7 @@ def main() -> None:
         x = model.model.embed(input_ids)
         cos, sin = model.model.rotary_emb(positions, x.dtype)
         plans = {name: (build_decode_plan(model, runner.attn.k_caches.dtype, ops), ops) for name, ops in builds}
-        hidden = torch.randn(1, x.shape[1])
+        hidden = torch.randn(args.batch, x.shape[1])
         for r in range(args.rounds):
             for name, (plan, ops) in plans.items():
                 for _ in range(10):

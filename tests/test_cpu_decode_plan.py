@@ -33,7 +33,7 @@ def int4_models(tiny_models, tmp_path_factory):
 
 def generate_both_ways(spec: str, prompts: list[str] = PROMPTS, **engine) -> tuple[list, list]:
     # no prefix caching: the second run would otherwise prefill only the prompts' last tokens
-    llm = LLM(spec, max_num_seqs=8, enable_prefix_caching=False, **engine)
+    llm = LLM(spec, max_num_seqs=16, enable_prefix_caching=False, **engine)
     runner = llm.engine.runner
     assert runner.decode_plan is not None and runner.decode_plan.num_layers() == llm.engine.loaded.config.num_hidden_layers
     params = SamplingParams(max_tokens=12, temperature=0, logprobs=3, ignore_eos=True)
@@ -79,6 +79,21 @@ def test_plan_past_one_attention_chunk_on_any_team(tiny_models, threads):
     torch.set_num_threads(threads)
     try:
         with_plan, modules = generate_both_ways(str(tiny_models["llama"]), prompts, kv_cache_dtype="float16")
+    finally:
+        torch.set_num_threads(before)
+    assert len(with_plan[0].prompt_token_ids) > 140
+    assert_identical(with_plan, modules)
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_int4_plan_prefetching_kv_ahead_matches_modules(int4_models, threads):
+    # from 8 rows the int4 products prefetch the next layer's K/V rows (a thread's attention units,
+    # chunked past 128 positions) as they compute: the same results on teams of any size
+    prompts = [" ".join(["word"] * 40), "short", " ".join(["x y"] * 30), "hello there", "a b c", *PROMPTS[:4]]
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with_plan, modules = generate_both_ways(str(int4_models["llama"]), prompts)
     finally:
         torch.set_num_threads(before)
     assert len(with_plan[0].prompt_token_ids) > 140

@@ -118,6 +118,31 @@ def test_kernel_reads_only_each_sequences_blocks(kv_dtype):
     assert torch.isfinite(out).all()
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("sliding_window", [None, 200])
+@pytest.mark.parametrize("shares", [1, 2, 3])
+def test_prefetched_rows_are_the_rows_attention_reads(kv_dtype, sliding_window, shares):
+    """The decode plan prefetches, per thread, the pool rows its attention units read next: together
+    the shares list every attended (sequence, kv head, position)'s row once, in the units' order."""
+    from llmopt.kernels.cpu_extension import cpu_ops
+
+    lens, block_size, kv_heads, head_dim = [700, 129, 3, 257, 1], 16, 3, 64
+    _, _, _, tables, context = _case(lens, 9, kv_heads, head_dim, block_size, seed=5)
+    row_bytes = head_dim * torch.empty(0, dtype=kv_dtype).element_size()
+    expected = []
+    for b, n in enumerate(lens):
+        start = 0 if sliding_window is None else max(0, n - sliding_window)
+        for kh in range(kv_heads):
+            for t in range(start, n):
+                slot = tables[b, t // block_size].item() * block_size + t % block_size
+                expected.append((slot * kv_heads + kh) * row_bytes)
+    got = [cpu_ops().paged_decode_share_rows(context, tables, block_size, kv_heads, 3, head_dim,
+                                             -1 if sliding_window is None else sliding_window, kv_dtype, s, shares)
+           for s in range(shares)]
+    assert torch.cat(got).tolist() == expected
+    assert all(len(part) > 0 for part in got)
+
+
 @pytest.mark.parametrize("kind", ["llama", "mistral"])
 def test_runtime_greedy_same_with_and_without_kernel(tiny_models, kind):
     """The engine decodes through the kernel; switching to the PyTorch path changes no token."""

@@ -5,6 +5,9 @@
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                            torch::Tensor block_tables, torch::Tensor context_lens,
                            int64_t block_size, double scale, int64_t sliding_window);
+torch::Tensor paged_decode_share_rows(torch::Tensor context_lens, torch::Tensor block_tables, int64_t block_size,
+                                      int64_t num_kv_heads, int64_t group, int64_t head_dim, int64_t sliding_window,
+                                      c10::ScalarType dtype, int64_t share, int64_t shares);
 torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor segments,
                                 double scale, int64_t sliding_window, bool bf16_products);
 bool bf16_products_available();
@@ -32,6 +35,9 @@ torch::Tensor fake_quant_error(torch::Tensor w, torch::Tensor col_scale, torch::
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using release_gil = pybind11::call_guard<pybind11::gil_scoped_release>;
   m.def("paged_decode", &paged_decode, release_gil(), "paged decode attention: fp32 q and output, fp32/bf16/fp16 K/V");
+  m.def("paged_decode_share_rows", &paged_decode_share_rows,
+        "the pool byte offsets of the K/V rows one thread's share of a decode step's attention reads, in its order "
+        "(what the decode plan prefetches)");
   m.def("prefill_attention", &prefill_attention, release_gil(),
         "prompt attention of packed sequences, each after an optional run of visible context keys: fp32 in and out, "
         "the products in fp32 or (bf16_products) bf16",

@@ -41,7 +41,8 @@ void int4_linear_check(const torch::Tensor& codes, const torch::Tensor& scales, 
 void int4_linear_share(const float* x, int64_t M, const torch::Tensor& codes, const torch::Tensor& scales,
                        const torch::Tensor& zeros, int64_t out_features, int64_t group_size,
                        const c10::optional<torch::Tensor>& perm, const c10::optional<torch::Tensor>& bias, float* out,
-                       int64_t ldo, int64_t share, int64_t shares, const std::vector<WeightRegion>& next);
+                       int64_t ldo, int64_t share, int64_t shares, const std::vector<WeightRegion>& next,
+                       llmopt_prefetch::RowStream* side);
 std::vector<WeightRegion> int4_weight_regions(const torch::Tensor& codes, const torch::Tensor& scales,
                                               const torch::Tensor& zeros);
 void fp8_linear_check(const torch::Tensor& codes, const torch::Tensor& scales, const c10::optional<torch::Tensor>& bias);
@@ -51,6 +52,14 @@ void fp8_linear_share(const float* x, int64_t M, const torch::Tensor& codes, con
 namespace {
 
 using llmopt_team::Team;
+
+// Rows of a decode batch from which the int4 products prefetch the next attention's K/V rows (a
+// RowStream, csrc/prefetch.h): with 8 rows and more those products are bound by their arithmetic, and
+// the rows come in while the cores compute. The default model, 2 threads, fp32 K/V after 512 tokens
+// (scripts/bench_decode_plan.py, old / new build in turn): 8 rows 12.8-13.3 -> 11.6-11.9 ms a step,
+// 16 rows 23.9-26.5 -> 20.0-22.2; at 4 rows no gain (5.9-6.9 ms either way), and at 1 row, where the
+// weights stream at the memory's rate, the extra reads slowed a step (2.3 -> 2.5 ms).
+constexpr int64_t kKvAheadMinRows = 8;
 
 // One projection as the module path runs it for a decode batch (rows <= the skinny limit):
 // fp32 or bf16 weights through skinny_linear, int4 through int4_linear, FP8 through fp8_linear.
@@ -72,11 +81,13 @@ struct LinearSpec {
 
   // this thread's share of y = x @ W.T + bias, x [M, in_features] contiguous, into out [M, out_stride()];
   // `next`: the projection that runs after this one (int4 prefetches the thread's share of it)
-  void share(const Team& team, const float* x, int64_t M, float* out, const std::vector<WeightRegion>& next) const {
+  // `side`: rows the int4 kernel prefetches as it computes (the other kinds take none)
+  void share(const Team& team, const float* x, int64_t M, float* out, const std::vector<WeightRegion>& next,
+             llmopt_prefetch::RowStream* side = nullptr) const {
     switch (kind) {
       case kInt4:
         return int4_linear_share(x, M, codes, scales, zeros, out_features, group_size, perm, bias, out, out_stride(),
-                                 team.rank, team.size, next);
+                                 team.rank, team.size, next, side);
       case kFp8: return fp8_linear_share(x, M, codes, scales, bias, out, out_stride(), team.rank, team.size);
       default: return skinny_linear_share(x, M, weight, bias, out, out_stride(), team.rank, team.size);
     }
@@ -221,6 +232,12 @@ class DecodePlan {
     char* v_base = static_cast<char*>(v_caches.data_ptr());
     const float *cos_p = cos.data_ptr<float>(), *sin_p = sin.data_ptr<float>();
 
+    const auto layer_args = [&](size_t i, const float* q, float* attn_out, float scale) {
+      return PagedDecodeArgs{q, layers_[i].qkv.out_stride(), k_base + i * layer_slots * element,
+                             v_base + i * layer_slots * element, kv_dtype, tables.data_ptr<int64_t>(),
+                             tables.size(1), block_size, scale, attn_out};
+    };
+
     llmopt_team::Barrier barrier;
     at::internal::lazy_init_num_threads();  // this thread's OpenMP team size: torch's thread count, as at::parallel_for
 #pragma omp parallel
@@ -232,6 +249,25 @@ class DecodePlan {
       std::vector<float> residual(x_in, x_in + n * hidden), h(n * hidden);
       const float* pending = nullptr;  // the previous layer's MLP output, not yet added to the residual
       int64_t pending_stride = 0;
+      // the K/V rows of this thread's attention units in the layer ahead, prefetched by the int4
+      // products before that attention
+      llmopt_prefetch::RowStream kv_ahead;
+      std::vector<std::vector<int64_t>> kv_rows(works.size());  // per layer shape: the rows' offsets
+      llmopt_prefetch::RowStream* const side = n >= kKvAheadMinRows ? &kv_ahead : nullptr;
+      const auto start_kv_ahead = [&](size_t j) {
+        const size_t w = layer_work[j];
+        if (kv_rows[w].empty()) {
+          const auto [u0, u1] = paged_decode_share(works[w], team.rank, team.size);
+          kv_rows[w] = paged_decode_rows(works[w], layer_args(j, nullptr, nullptr, 0.f), u0, u1);
+        }
+        kv_ahead.first = k_base + j * layer_slots * element;
+        kv_ahead.second = v_base + j * layer_slots * element;
+        kv_ahead.offsets = kv_rows[w].data();
+        kv_ahead.row_bytes = works[w].D * element;
+        kv_ahead.next = kv_ahead.within = 0;
+        kv_ahead.end = static_cast<int64_t>(kv_rows[w].size());
+      };
+      if (side != nullptr) start_kv_ahead(0);
       for (size_t i = 0; i < layers_.size(); ++i) {
         const LayerSpec& L = layers_[i];
         const float eps = static_cast<float>(L.eps);
@@ -243,7 +279,7 @@ class DecodePlan {
         else
           rms_norm_rows(residual.data(), hidden, L.input_norm.data_ptr<float>(), h.data(), n, hidden, eps);
         const int64_t row = L.qkv.out_stride();
-        L.qkv.share(team, h.data(), n, qkv.data(), L.after_qkv);
+        L.qkv.share(team, h.data(), n, qkv.data(), L.after_qkv, side);
         team.sync();
         // rope on q and k in place, the new K/V rows into the pools: this thread's tokens
         const llmopt_team::Range tokens = team.share(n);
@@ -260,9 +296,7 @@ class DecodePlan {
         }
         team.sync();
         PagedDecodeWork& work = works[layer_work[i]];
-        const PagedDecodeArgs args{qkv.data(), row, k_base + i * layer_slots * element,
-                                   v_base + i * layer_slots * element, kv_dtype, tables.data_ptr<int64_t>(),
-                                   tables.size(1), block_size, static_cast<float>(L.scale), attn.data()};
+        const PagedDecodeArgs args = layer_args(i, qkv.data(), attn.data(), static_cast<float>(L.scale));
         const auto [u0, u1] = paged_decode_share(work, team.rank, team.size);
         paged_decode_units(work, args, u0, u1);
         if (work.partials > 0) {
@@ -271,12 +305,13 @@ class DecodePlan {
           paged_decode_merge(work, attn.data(), items.begin, items.end);
         }
         team.sync();
-        L.o.share(team, attn.data(), n, o_out.data(), L.after_o);
+        if (side != nullptr && i + 1 < layers_.size()) start_kv_ahead(i + 1);
+        L.o.share(team, attn.data(), n, o_out.data(), L.after_o, side);
         team.sync();
         // MLP block (DecoderLayer.forward: residual add + norm, then x + mlp(h))
         add_rms_norm_rows(o_out.data(), L.o.out_stride(), residual.data(), residual.data(),
                           L.post_norm.data_ptr<float>(), h.data(), n, hidden, eps);
-        L.gate_up.share(team, h.data(), n, gu.data(), L.after_gate_up);
+        L.gate_up.share(team, h.data(), n, gu.data(), L.after_gate_up, side);
         team.sync();
         const int64_t I = L.down.in_features;
         const llmopt_team::Range cols = team.share((I + 7) / 8);  // 8 columns at a time: the vector width
@@ -284,7 +319,7 @@ class DecodePlan {
           silu_and_mul_rows_f32(gu.data(), L.gate_up.out_stride(), act.data(), I, n, I, cols.begin * 8,
                                 std::min(I, cols.end * 8));
         team.sync();
-        L.down.share(team, act.data(), n, mlp.data(), L.after_down);
+        L.down.share(team, act.data(), n, mlp.data(), L.after_down, side);
         team.sync();
         pending = mlp.data();
         pending_stride = L.down.out_stride();

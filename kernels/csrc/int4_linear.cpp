@@ -80,6 +80,13 @@ constexpr int64_t kInt8VnniMinRows = 8;
 // small projections of a small model) are not waiting on their first lines one at a time. Addresses past
 // the end of the weights are harmless: a prefetch never faults.
 constexpr int64_t kPrefetchAhead = 8192;
+
+// A side stream's bytes (csrc/prefetch.h) asked for per block of K per row of x: at 8 rows the pair
+// kernel spends ~100 cycles on a block, and ~5 bytes a cycle from each of 2 cores is about what such
+// scattered reads get beside the weights' stream. The decode plan at 8 rows x 512 positions of fp32
+// K/V (Zen 4, 2 threads, one build, the stream on / off in turn): 11.9-12.2 -> 10.2-11.0 ms a step at
+// 64 bytes; 48 bytes gained less (-> 11.1-11.3), 96 and more lost time waiting on the stream.
+constexpr int64_t kSideBytesPerRow = 64;
 using llmopt_prefetch::prefetch_l2;
 using llmopt_prefetch::prefetch_span;
 
@@ -257,7 +264,7 @@ inline __m256 scaled_zeros8(const Int4Weights& W, int64_t i, __m256 scales) {
 // the 8 output rows of tile `t` against MT rows of x (from m0); out has row stride ldo
 template <int MT>
 inline void int4_tile_avx2(const Int4Weights& W, int64_t t, const QuantizedRows& X, int64_t m0, float* out,
-                           int64_t ldo) {
+                           int64_t ldo, llmopt_prefetch::RowStream* side = nullptr) {
   const int64_t K = W.K, G = W.groups, nb = K / kBlock;
   const __m256i ones = _mm256_set1_epi16(1);
   const __m256i low = _mm256_set1_epi8(0x0F);
@@ -271,6 +278,7 @@ inline void int4_tile_avx2(const Int4Weights& W, int64_t t, const QuantizedRows&
     prefetch_l2(W.zero_ptr(i) + kPrefetchAhead / 8);
     for (int64_t b = g * W.group_blocks; b < (g + 1) * W.group_blocks; ++b) {
       prefetch_span(codes + b * 128 + kPrefetchAhead, 128);
+      if (side != nullptr) side->issue(MT * kSideBytesPerRow);
       __m256i w[8];  // w[j]: columns 4j..4j+3 of the block, 4 bytes per row
       for (int c = 0; c < 4; ++c) {
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + b * 128 + c * 32));
@@ -364,7 +372,7 @@ inline __m512 scaled_zeros_pair(const Int4Weights& W, int64_t i, int64_t j, __m5
 // t's rows, 8-15 tile t + 1's, so one activation broadcast serves both tiles
 template <int MT>
 inline void int4_pair_vnni(const Int4Weights& W, int64_t t, const QuantizedRows& X, int64_t m0, float* out,
-                           int64_t ldo) {
+                           int64_t ldo, llmopt_prefetch::RowStream* side) {
   const int64_t K = W.K, G = W.groups, nb = K / kBlock;
   const __m512i low = _mm512_set1_epi8(0x0F);
   __m512 acc[MT], zacc[MT];
@@ -380,6 +388,7 @@ inline void int4_pair_vnni(const Int4Weights& W, int64_t t, const QuantizedRows&
       // the pair's two tiles are adjacent in memory: the two streams together prefetch each line once
       prefetch_span(c0 + b * 128 + kPrefetchAhead, 128);
       prefetch_span(c1 + b * 128 + kPrefetchAhead, 128);
+      if (side != nullptr) side->issue(MT * kSideBytesPerRow);
       __m512i w[8];  // w[j]: columns 4j..4j+3 of the block, 4 bytes per row, 16 rows
       for (int c = 0; c < 4; ++c) {
         const __m512i v = load_pair(c0 + b * 128 + c * 32, c1 + b * 128 + c * 32);
@@ -540,9 +549,14 @@ inline void rows_of_tile(const Weights& W, int64_t t, const QuantizedRows& X, in
 }
 
 inline void int4_tile_rows(int isa, const Int4Weights& W, int64_t t, const QuantizedRows& X, int64_t M, float* out,
-                           int64_t ldo) {
+                           int64_t ldo, llmopt_prefetch::RowStream* side) {
 #if defined(__AVX2__) && defined(__FMA__)
-  if (isa >= kAvx2) return rows_of_tile<Int4Weights, int4_tile_avx2<4>, int4_tile_avx2<1>>(W, t, X, M, out, ldo);
+  if (isa >= kAvx2) {
+    int64_t m = 0;
+    for (; m + 4 <= M; m += 4) int4_tile_avx2<4>(W, t, X, m, out + m * ldo + t * kTile, ldo, side);
+    for (; m < M; ++m) int4_tile_avx2<1>(W, t, X, m, out + m * ldo + t * kTile, ldo, side);
+    return;
+  }
 #endif
   rows_of_tile<Int4Weights, int4_tile_scalar<4>, int4_tile_scalar<1>>(W, t, X, M, out, ldo);
 }
@@ -560,9 +574,10 @@ inline void int8_tile_rows(int isa, const Int8Weights& W, int64_t t, const Quant
 }
 
 // Tiles [t0, t1) against all M rows of x. The wide paths take tiles in pairs (from t0, which is
-// even); an odd last tile goes through AVX2, whose results are bitwise the same.
+// even); an odd last tile goes through AVX2, whose results are bitwise the same. `side`, where given,
+// asks for kSideBytesPerRow bytes of its rows per block of K per row of x.
 void int4_tiles(int isa, const Int4Weights& W, int64_t t0, int64_t t1, const QuantizedRows& X, int64_t M, float* out,
-                int64_t ldo) {
+                int64_t ldo, llmopt_prefetch::RowStream* side = nullptr) {
   const int64_t tile_bytes = W.K / kBlock * 128, tile_entries = W.groups * kTile;
   prefetch_span(W.codes + t0 * tile_bytes, std::min(kPrefetchAhead, (t1 - t0) * tile_bytes));
   prefetch_span(W.scale_ptr(t0 * tile_entries), std::min(kPrefetchAhead / 8, (t1 - t0) * tile_entries * W.scale_bytes()));
@@ -578,6 +593,7 @@ void int4_tiles(int isa, const Int4Weights& W, int64_t t0, int64_t t1, const Qua
     for (; t + 2 <= t1; t += 2) {
       amx_unpack_pair(W, t, b_tiles.data());
       for (int64_t m = 0; m < M; m += kAmxRows) int4_pair_amx(W, t, b_tiles.data(), d, X, m, M, out + t * kTile, ldo);
+      if (side != nullptr) side->issue(kAmxRows * nb * kSideBytesPerRow);
     }
     _tile_release();
   }
@@ -591,15 +607,15 @@ void int4_tiles(int isa, const Int4Weights& W, int64_t t0, int64_t t1, const Qua
       const int64_t m1 = std::min(M, m0 + kRowRun);
       for (int64_t tp = t; tp < pairs_end; tp += 2) {
         int64_t m = m0;
-        for (; m + 8 <= m1; m += 8) int4_pair_vnni<8>(W, tp, X, m, out + m * ldo + tp * kTile, ldo);
-        for (; m + 4 <= m1; m += 4) int4_pair_vnni<4>(W, tp, X, m, out + m * ldo + tp * kTile, ldo);
-        for (; m < m1; ++m) int4_pair_vnni<1>(W, tp, X, m, out + m * ldo + tp * kTile, ldo);
+        for (; m + 8 <= m1; m += 8) int4_pair_vnni<8>(W, tp, X, m, out + m * ldo + tp * kTile, ldo, side);
+        for (; m + 4 <= m1; m += 4) int4_pair_vnni<4>(W, tp, X, m, out + m * ldo + tp * kTile, ldo, side);
+        for (; m < m1; ++m) int4_pair_vnni<1>(W, tp, X, m, out + m * ldo + tp * kTile, ldo, side);
       }
     }
     t = pairs_end;
   }
 #endif
-  for (; t < t1; ++t) int4_tile_rows(isa, W, t, X, M, out, ldo);
+  for (; t < t1; ++t) int4_tile_rows(isa, W, t, X, M, out, ldo, side);
 }
 
 }  // namespace
@@ -671,7 +687,8 @@ constexpr int64_t kNextPrefetch = 16384;  // bytes of each region of `next`, fro
 void int4_linear_share(const float* x, int64_t M, const torch::Tensor& codes, const torch::Tensor& scales,
                        const torch::Tensor& zeros, int64_t out_features, int64_t group_size,
                        const c10::optional<torch::Tensor>& perm, const c10::optional<torch::Tensor>& bias, float* out,
-                       int64_t ldo, int64_t share, int64_t shares, const std::vector<WeightRegion>& next) {
+                       int64_t ldo, int64_t share, int64_t shares, const std::vector<WeightRegion>& next,
+                       llmopt_prefetch::RowStream* side) {
   const int64_t tiles = codes.size(0), pairs = (tiles + 1) / 2;
   const llmopt_team::Range r = llmopt_team::split(pairs, 2, share, shares);
   if (M > 0 && r.begin < r.end) {
@@ -679,7 +696,7 @@ void int4_linear_share(const float* x, int64_t M, const torch::Tensor& codes, co
     const Int4Weights W = int4_weights(codes, scales, zeros, group_size);
     const QuantizedRows X = quantize_for(isa, x, M, W, perm);
     const int64_t t0 = 2 * r.begin, t1 = std::min(2 * r.end, tiles);
-    int4_tiles(isa, W, t0, t1, X, M, out, ldo);
+    int4_tiles(isa, W, t0, t1, X, M, out, ldo, side);
     if (bias.has_value()) {
       const float* b = bias->data_ptr<float>();
       const int64_t c1 = std::min(t1 * kTile, out_features);

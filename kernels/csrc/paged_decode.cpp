@@ -443,6 +443,22 @@ std::pair<int64_t, int64_t> paged_decode_share(const PagedDecodeWork& w, int64_t
   return {boundary(share), boundary(share + 1)};
 }
 
+std::vector<int64_t> paged_decode_rows(const PagedDecodeWork& work, const PagedDecodeArgs& args, int64_t u0,
+                                       int64_t u1) {
+  const int64_t row_bytes = work.D * static_cast<int64_t>(c10::elementSize(args.dtype));
+  std::vector<int64_t> rows;
+  rows.reserve(u1 > u0 ? work.positions_before[u1 - 1] + work.units[u1 - 1].n - work.positions_before[u0] : 0);
+  for (int64_t u = u0; u < u1; ++u) {
+    const Unit& unit = work.units[u];
+    const int64_t* table = args.tables + unit.b * args.table_width;
+    for (int64_t t = unit.start; t < unit.start + unit.n; ++t) {
+      const int64_t block = t / args.block_size;
+      rows.push_back(((table[block] * args.block_size + t - block * args.block_size) * work.KVH + unit.kh) * row_bytes);
+    }
+  }
+  return rows;
+}
+
 // units [u0, u1) with pool element type T
 template <typename T>
 static void attend(PagedDecodeWork& w, const PagedDecodeArgs& a, int64_t u0, int64_t u1) {
@@ -563,4 +579,24 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   if (work.partials > 0)
     at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) { paged_decode_merge(work, out.data_ptr<float>(), begin, end); });
   return out;
+}
+
+// The byte offsets share `share` of `shares` of a step's units read, as paged_decode_rows lists them
+// for the decode plan's prefetch (tests compare them with the block tables).
+torch::Tensor paged_decode_share_rows(torch::Tensor context_lens, torch::Tensor block_tables, int64_t block_size,
+                                      int64_t num_kv_heads, int64_t group, int64_t head_dim, int64_t sliding_window,
+                                      c10::ScalarType dtype, int64_t share, int64_t shares) {
+  TORCH_CHECK(block_tables.dtype() == torch::kInt64 && context_lens.dtype() == torch::kInt64 &&
+                  block_tables.dim() == 2 && context_lens.numel() == block_tables.size(0),
+              "paged_decode_share_rows: int64 block_tables [B, W] and context_lens [B]");
+  TORCH_CHECK(shares > 0 && share >= 0 && share < shares, "paged_decode_share_rows: share outside [0, shares)");
+  const torch::Tensor tables = block_tables.contiguous(), lens = context_lens.contiguous();
+  const int64_t B = tables.size(0);
+  const PagedDecodeWork work =
+      paged_decode_work(lens.data_ptr<int64_t>(), B, num_kv_heads, group, head_dim, sliding_window);
+  const PagedDecodeArgs args{nullptr, 0, nullptr, nullptr, dtype, tables.data_ptr<int64_t>(), tables.size(1),
+                             block_size, 0.f, nullptr};
+  const auto [u0, u1] = paged_decode_share(work, share, shares);
+  const std::vector<int64_t> rows = paged_decode_rows(work, args, u0, u1);
+  return torch::tensor(rows, torch::kInt64);
 }

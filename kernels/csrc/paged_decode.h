@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <utility>
 #include <vector>
+#include "prefetch.h"
 
 // One unit of work: a chunk of a (sequence, kv head) item's attended positions
 struct Unit {
@@ -48,3 +49,9 @@ std::pair<int64_t, int64_t> paged_decode_share(const PagedDecodeWork& work, int6
 void paged_decode_units(PagedDecodeWork& work, const PagedDecodeArgs& args, int64_t u0, int64_t u1);
 // items [i0, i1) (b * KVH + kh) with chunks: their partials merged into out, after every unit ran
 void paged_decode_merge(PagedDecodeWork& work, float* out, int64_t i0, int64_t i1);
+
+// The byte offsets in a layer's pool of the K (and V) rows that units [u0, u1) read, in the order they
+// read them (`args`' block tables, block size and pool dtype; its q, out and pools are not used): the
+// rows a RowStream (csrc/prefetch.h) prefetches for those units ahead of their attention.
+std::vector<int64_t> paged_decode_rows(const PagedDecodeWork& work, const PagedDecodeArgs& args, int64_t u0,
+                                       int64_t u1);
