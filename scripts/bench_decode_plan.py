@@ -6,6 +6,7 @@ the caches hold). Prints ms per step per build.
     python scripts/bench_decode_plan.py /work/bench/awq135                    # llmopt's build
     python scripts/bench_decode_plan.py MODEL --so OLD/llmopt_cpu_ops.so --so NEW/llmopt_cpu_ops.so --rounds 5
     python scripts/bench_decode_plan.py MODEL --batch 8 --context 512 --so OLD/... --so NEW/...   # a batch of 8
+    python scripts/bench_decode_plan.py llama-3.2-1b --load-format dummy --quantization awq ...   # real shapes
 
 `--so` loads other builds (an older commit's, from its cache folder
 `$LLMOPT_CACHE/torch_extensions/<digest>/`); the builds run in turn within each round, so the VM's
@@ -38,6 +39,8 @@ def main() -> None:
     parser.add_argument("--so", action="append", default=[], help="a kernels build to time (repeatable)")
     parser.add_argument("--context", type=int, default=64, help="tokens of context at the timed step")
     parser.add_argument("--batch", type=int, default=1, help="sequences in the timed step")
+    parser.add_argument("--load-format", default="auto", help="'dummy': random weights of the model's shape")
+    parser.add_argument("--quantization", default=None, help="with --load-format dummy: awq / gptq int4 weights")
     parser.add_argument("--steps", type=int, default=300, help="timed steps per build per round")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
@@ -45,7 +48,8 @@ def main() -> None:
     if args.context < 2 or min(args.batch, args.steps, args.rounds, args.threads) < 1:
         parser.error("--context must be at least 2, --batch, --steps, --rounds and --threads at least 1")
     torch.set_num_threads(args.threads)
-    llm = LLM(load(args.model, dtype="float32"), max_num_seqs=max(args.batch, 8))
+    llm = LLM(load(args.model, dtype="float32", load_format=args.load_format, quantization=args.quantization),
+              max_num_seqs=max(args.batch, 8))
     runner = llm.engine.runner
     if runner.decode_plan is None:
         parser.error(f"{args.model}: its decode steps do not run through the C++ plan on this machine")

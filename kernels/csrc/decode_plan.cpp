@@ -20,6 +20,8 @@
 #include <c10/util/Half.h>
 #include <omp.h>
 #include <algorithm>
+#include <fstream>
+#include <string>
 #include <vector>
 #include "paged_decode.h"
 #include "prefetch.h"
@@ -57,9 +59,33 @@ using llmopt_team::Team;
 // RowStream, csrc/prefetch.h): with 8 rows and more those products are bound by their arithmetic, and
 // the rows come in while the cores compute. The default model, 2 threads, fp32 K/V after 512 tokens
 // (scripts/bench_decode_plan.py, old / new build in turn): 8 rows 12.8-13.3 -> 11.6-11.9 ms a step,
-// 16 rows 23.9-26.5 -> 20.0-22.2; at 4 rows no gain (5.9-6.9 ms either way), and at 1 row, where the
-// weights stream at the memory's rate, the extra reads slowed a step (2.3 -> 2.5 ms).
+// 16 rows 23.9-26.5 -> 20.0-22.2, 24 rows 35.7-37.7 -> 30.4-32.5; at 4 rows no gain (5.9-6.9 ms either
+// way), and at 1 row, where the weights stream at the memory's rate, the extra reads slowed a step
+// (2.3 -> 2.5 ms).
 constexpr int64_t kKvAheadMinRows = 8;
+
+// The rows must still be in cache when the attention reads them, after the weights of the projections
+// in between streamed through it: a step prefetches them only where one layer's K/V and those weights
+// together fit in the last-level cache (the default model at 24 rows x 512: 19 + 2.3 MB of 32 MB). A
+// 1B-shaped model at 8 rows (16.8 MB of K/V and ~32 MB of int4 weights a layer) lost 5% with the rows
+// prefetched regardless (45.1-45.5 -> 47.2-47.5 ms); with this check it is level (44.4-44.5 / 44.4-45.2).
+int64_t last_level_cache_bytes() {
+  static const int64_t bytes = [] {
+    int64_t best_level = 0, size = 0;
+    for (int index = 0; index < 8; ++index) {  // Linux: each cache's level and size ("32768K")
+      const std::string dir = "/sys/devices/system/cpu/cpu0/cache/index" + std::to_string(index) + "/";
+      std::ifstream level_file(dir + "level"), size_file(dir + "size");
+      int64_t level = 0, value = 0;
+      std::string unit;
+      if (!(level_file >> level) || !(size_file >> value)) continue;
+      size_file >> unit;
+      const int64_t scaled = unit == "K" ? value << 10 : unit == "M" ? value << 20 : value;
+      if (level > best_level) best_level = level, size = scaled;
+    }
+    return size > 0 ? size : int64_t{8} << 20;  // 8 MiB where the system does not say
+  }();
+  return bytes;
+}
 
 // One projection as the module path runs it for a decode batch (rows <= the skinny limit):
 // fp32 or bf16 weights through skinny_linear, int4 through int4_linear, FP8 through fp8_linear.
@@ -74,6 +100,12 @@ struct LinearSpec {
   // the weights as prefetch regions (int4 only: the other kinds' kernels take no `next`)
   std::vector<WeightRegion> regions() const {
     return kind == kInt4 ? int4_weight_regions(codes, scales, zeros) : std::vector<WeightRegion>{};
+  }
+
+  // the bytes of its weights a step reads
+  int64_t weight_bytes() const {
+    const auto bytes = [](const torch::Tensor& t) { return t.defined() ? t.numel() * t.element_size() : int64_t{0}; };
+    return bytes(weight) + bytes(codes) + bytes(scales) + bytes(zeros);
   }
 
   // floats between output rows: int4 computes whole tiles of 8 rows
@@ -238,6 +270,20 @@ class DecodePlan {
                              tables.size(1), block_size, scale, attn_out};
     };
 
+    // the K/V prefetch's cache budget: a layer's rows, and the weights streamed between their
+    // prefetch and their attention (a layer's o, gate_up, down and the next layer's qkv)
+    int64_t kv_layer_bytes = 0, window_bytes = 0;
+    for (const PagedDecodeWork& work : works)
+      if (!work.units.empty())
+        kv_layer_bytes = std::max(kv_layer_bytes, 2 * (work.positions_before.back() + work.units.back().n) * work.D *
+                                                      element);
+    for (size_t i = 0; i < layers_.size(); ++i)
+      window_bytes = std::max(window_bytes, layers_[i].o.weight_bytes() + layers_[i].gate_up.weight_bytes() +
+                                                layers_[i].down.weight_bytes() +
+                                                layers_[(i + 1) % layers_.size()].qkv.weight_bytes());
+    const bool kv_ahead_fits =
+        n >= kKvAheadMinRows && kv_layer_bytes + window_bytes <= last_level_cache_bytes();
+
     llmopt_team::Barrier barrier;
     at::internal::lazy_init_num_threads();  // this thread's OpenMP team size: torch's thread count, as at::parallel_for
 #pragma omp parallel
@@ -253,7 +299,7 @@ class DecodePlan {
       // products before that attention
       llmopt_prefetch::RowStream kv_ahead;
       std::vector<std::vector<int64_t>> kv_rows(works.size());  // per layer shape: the rows' offsets
-      llmopt_prefetch::RowStream* const side = n >= kKvAheadMinRows ? &kv_ahead : nullptr;
+      llmopt_prefetch::RowStream* const side = kv_ahead_fits ? &kv_ahead : nullptr;
       const auto start_kv_ahead = [&](size_t j) {
         const size_t w = layer_work[j];
         if (kv_rows[w].empty()) {
