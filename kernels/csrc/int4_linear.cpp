@@ -67,7 +67,8 @@ constexpr int64_t kRowRun = 64;
 
 // Rows of x from which int8 weights (the vocabulary projection's Q8_0 copy) take the VNNI path: below
 // it AVX2's maddubs path was faster with the weights out of cache (Zen 4, one row 0.93-1.22 vs
-// 1.41-1.61 ms for the 49,152 x 576 projection; docs/benchmarks.md), and its results are bitwise alike.
+// 1.41-1.61 ms for the 49,152 x 576 projection, with the VNNI kernel's earlier sign trick;
+// docs/benchmarks.md), and its results are bitwise alike.
 constexpr int64_t kInt8VnniMinRows = 8;
 
 // Decode reads each weight once. With only the dot products' own loads in flight, a core waited on
@@ -90,13 +91,14 @@ constexpr int64_t kSideBytesPerRow = 64;
 using llmopt_prefetch::prefetch_l2;
 using llmopt_prefetch::prefetch_span;
 
-// Activations of M rows quantized per 32-value block: codes, block scales, and per weight
-// group the sum over its blocks of scale * sum(codes) (the zero-point term's factor). Rows
-// from M up to `rows` (a multiple of the AMX tile height when that path runs) are zeros.
+// Activations of M rows quantized per 32-value block: codes, block scales, each block's sum of
+// codes, and per weight group the sum over its blocks of scale * sum(codes) (the zero-point term's
+// factor). Rows from M up to `rows` (a multiple of the AMX tile height when that path runs) are zeros.
 struct QuantizedRows {
-  std::vector<int8_t> q;     // [rows, K]
-  std::vector<float> d;      // [rows, K / 32]
-  std::vector<float> gsum;   // [rows, groups]
+  std::vector<int8_t> q;      // [rows, K]
+  std::vector<float> d;       // [rows, K / 32]
+  std::vector<float> gsum;    // [rows, groups]
+  std::vector<int32_t> qsum;  // [rows, K / 32]
 };
 
 // d = max|x| / 127, q = round-half-even(x * (1 / d)): two correctly rounded fp32 operations,
@@ -140,7 +142,8 @@ QuantizedRows quantize_rows(const float* x, int64_t M, int64_t K, int64_t group_
   const auto quantize_block = quantize_block_scalar;
 #endif
   const int64_t nb = K / kBlock, groups = nb / group_blocks;
-  QuantizedRows r{std::vector<int8_t>(rows * K), std::vector<float>(rows * nb), std::vector<float>(rows * groups)};
+  QuantizedRows r{std::vector<int8_t>(rows * K), std::vector<float>(rows * nb), std::vector<float>(rows * groups),
+                  std::vector<int32_t>(rows * nb)};
   at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> row(perm != nullptr ? K : 0);
     for (int64_t m = begin; m < end; ++m) {
@@ -154,6 +157,7 @@ QuantizedRows quantize_rows(const float* x, int64_t M, int64_t K, int64_t group_
         for (int64_t b = g * group_blocks; b < (g + 1) * group_blocks; ++b) {
           int32_t sum;
           quantize_block(xr + b * kBlock, r.q.data() + m * K + b * kBlock, r.d.data() + m * nb + b, &sum);
+          r.qsum[m * nb + b] = sum;
           gs = std::fma(r.d[m * nb + b], static_cast<float>(sum), gs);
         }
         r.gsum[m * groups + g] = gs;
@@ -414,7 +418,8 @@ inline void int4_pair_vnni(const Int4Weights& W, int64_t t, const QuantizedRows&
   for (int m = 0; m < MT; ++m) _mm512_storeu_ps(out + m * ldo, _mm512_sub_ps(acc[m], zacc[m]));
 }
 
-// int8 weights: AVX2's sign trick, with dpbusd in place of maddubs + madd + add
+// int8 weights: dpbusd on w + 128 (unsigned) against x, less 128 * sum(x) per block: the same integers as
+// AVX2's sign trick without its two sign ops per row
 template <int MT>
 inline void int8_tile_vnni(const Int8Weights& W, int64_t t, const QuantizedRows& X, int64_t m0, float* out,
                            int64_t ldo) {
@@ -428,17 +433,22 @@ inline void int8_tile_vnni(const Int8Weights& W, int64_t t, const QuantizedRows&
     __m256i dot[MT];
     for (int m = 0; m < MT; ++m) dot[m] = _mm256_setzero_si256();
     for (int c = 0; c < 8; ++c) {
-      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + c * 32));
-      const __m256i aw = _mm256_sign_epi8(w, w);
+      // w + 128 as unsigned bytes: dpbusd's u8 operand with x as its s8 one, one flip shared by all rows
+      // instead of two sign ops per row; the 128 * sum(x) it adds is taken off below
+      const __m256i wu = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + c * 32)),
+                                          _mm256_set1_epi8(static_cast<char>(0x80)));
       for (int m = 0; m < MT; ++m) {
         const int32_t* x4 = reinterpret_cast<const int32_t*>(X.q.data() + (m0 + m) * K + b * kBlock);
-        dot[m] = _mm256_dpbusd_epi32(dot[m], aw, _mm256_sign_epi8(_mm256_set1_epi32(x4[c]), w));
+        dot[m] = _mm256_dpbusd_epi32(dot[m], wu, _mm256_set1_epi32(x4[c]));
       }
     }
     const __m256 vs = _mm256_loadu_ps(W.scales + (t * nb + b) * kTile);
-    for (int m = 0; m < MT; ++m)
-      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[m]), _mm256_mul_ps(vs, _mm256_set1_ps(X.d[(m0 + m) * nb + b])),
+    for (int m = 0; m < MT; ++m) {
+      // the same exact integer dot products as the sign trick's: bitwise the same results
+      const __m256i exact = _mm256_sub_epi32(dot[m], _mm256_set1_epi32(128 * X.qsum[(m0 + m) * nb + b]));
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(exact), _mm256_mul_ps(vs, _mm256_set1_ps(X.d[(m0 + m) * nb + b])),
                                acc[m]);
+    }
   }
   for (int m = 0; m < MT; ++m) _mm256_storeu_ps(out + m * ldo, acc[m]);
 }
