@@ -65,11 +65,11 @@ constexpr int64_t kAmxRows = 16;  // rows of x per tile product
 // Rows of x the VNNI path takes against a span's tiles at a time (a multiple of 8, its register tile).
 constexpr int64_t kRowRun = 64;
 
-// Rows of x from which int8 weights (the vocabulary projection's Q8_0 copy) take the VNNI path: below
-// it AVX2's maddubs path was faster with the weights out of cache (Zen 4, one row 0.93-1.22 vs
-// 1.41-1.61 ms for the 49,152 x 576 projection, with the VNNI kernel's earlier sign trick;
-// docs/benchmarks.md), and its results are bitwise alike.
-constexpr int64_t kInt8VnniMinRows = 8;
+// Rows of x from which int8 weights (the vocabulary projection's Q8_0 copy) take the VNNI path (its
+// results are bitwise AVX2's). The 49,152 x 576 projection on Zen 4, weights out of cache, AVX2's
+// maddubs path / VNNI: 1 row 0.62-0.67 / 0.66-0.71 ms, 2 rows 0.63-0.67 / 0.55-0.57, 4 rows 1.05-1.07 /
+// 0.61-0.64 (scripts/bench_decode_plan.py; docs/benchmarks.md).
+constexpr int64_t kInt8VnniMinRows = 2;
 
 // Decode reads each weight once. With only the dot products' own loads in flight, a core waited on
 // memory and then computed, one after the other (one row of x on Zen 4: ~10 GB/s per core from DRAM
