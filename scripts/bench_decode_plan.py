@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from llmopt.errors import LlmoptError
 from llmopt.kernels.cpu_extension import cpu_ops
 from llmopt.loader import load
 from llmopt.runtime import SamplingParams
@@ -48,8 +49,11 @@ def main() -> None:
     if args.context < 2 or min(args.batch, args.steps, args.rounds, args.threads) < 1:
         parser.error("--context must be at least 2, --batch, --steps, --rounds and --threads at least 1")
     torch.set_num_threads(args.threads)
-    llm = LLM(load(args.model, dtype="float32", load_format=args.load_format, quantization=args.quantization),
-              max_num_seqs=max(args.batch, 8))
+    try:
+        loaded = load(args.model, dtype="float32", load_format=args.load_format, quantization=args.quantization)
+    except LlmoptError as exc:
+        parser.error(str(exc))
+    llm = LLM(loaded, max_num_seqs=max(args.batch, 8))
     runner = llm.engine.runner
     if runner.decode_plan is None:
         parser.error(f"{args.model}: its decode steps do not run through the C++ plan on this machine")

@@ -443,19 +443,26 @@ std::pair<int64_t, int64_t> paged_decode_share(const PagedDecodeWork& w, int64_t
   return {boundary(share), boundary(share + 1)};
 }
 
+// The element offset in a layer's pool of each attended position's row of `unit`'s kv head, into
+// rows[0, unit.n): the block table walked once, a block at a time
+static void unit_rows(const Unit& unit, const PagedDecodeArgs& a, int64_t KVH, int64_t D, int64_t* rows) {
+  const int64_t* table = a.tables + unit.b * a.table_width;
+  const int64_t stop_at = unit.start + unit.n;
+  for (int64_t t = unit.start; t < stop_at;) {
+    const int64_t block = t / a.block_size, stop = std::min(stop_at, (block + 1) * a.block_size);
+    int64_t row = ((table[block] * a.block_size + t - block * a.block_size) * KVH + unit.kh) * D;
+    for (; t < stop; ++t, row += KVH * D) rows[t - unit.start] = row;
+  }
+}
+
 std::vector<int64_t> paged_decode_rows(const PagedDecodeWork& work, const PagedDecodeArgs& args, int64_t u0,
                                        int64_t u1) {
-  const int64_t row_bytes = work.D * static_cast<int64_t>(c10::elementSize(args.dtype));
-  std::vector<int64_t> rows;
-  rows.reserve(u1 > u0 ? work.positions_before[u1 - 1] + work.units[u1 - 1].n - work.positions_before[u0] : 0);
-  for (int64_t u = u0; u < u1; ++u) {
-    const Unit& unit = work.units[u];
-    const int64_t* table = args.tables + unit.b * args.table_width;
-    for (int64_t t = unit.start; t < unit.start + unit.n; ++t) {
-      const int64_t block = t / args.block_size;
-      rows.push_back(((table[block] * args.block_size + t - block * args.block_size) * work.KVH + unit.kh) * row_bytes);
-    }
-  }
+  const int64_t first = u1 > u0 ? work.positions_before[u0] : 0;
+  std::vector<int64_t> rows(u1 > u0 ? work.positions_before[u1 - 1] + work.units[u1 - 1].n - first : 0);
+  for (int64_t u = u0; u < u1; ++u)
+    unit_rows(work.units[u], args, work.KVH, work.D, rows.data() + work.positions_before[u] - first);
+  const int64_t element = static_cast<int64_t>(c10::elementSize(args.dtype));
+  for (int64_t& row : rows) row *= element;  // bytes
   return rows;
 }
 
@@ -473,15 +480,9 @@ static void attend(PagedDecodeWork& w, const PagedDecodeArgs& a, int64_t u0, int
   std::vector<int64_t> rows;
   for (int64_t u = u0; u < u1; ++u) {
     const Unit& unit = w.units[u];
-    const int64_t b = unit.b, kh = unit.kh, n = unit.n, stop_at = unit.start + n;
-    const int64_t* table = a.tables + b * a.table_width;
-    // walk the block table once: where each attended position's row of this kv head is
+    const int64_t b = unit.b, kh = unit.kh, n = unit.n;
     rows.resize(n);
-    for (int64_t t = unit.start; t < stop_at;) {
-      const int64_t block = t / a.block_size, stop = std::min(stop_at, (block + 1) * a.block_size);
-      int64_t row = ((table[block] * a.block_size + t - block * a.block_size) * KVH + kh) * D;
-      for (; t < stop; ++t, row += KVH * D) rows[t - unit.start] = row;
-    }
+    unit_rows(unit, a, KVH, D, rows.data());
     const Item it{a.q + b * a.q_stride + kh * G * D, rows.data(), n, G, D, a.scale};
     scores.resize(G * n);  // [G][n]: each head's scores contiguous for the softmax
     std::fill(maxes.begin(), maxes.end(), -std::numeric_limits<float>::infinity());
