@@ -123,7 +123,8 @@ def test_kernel_reads_only_each_sequences_blocks(kv_dtype):
 @pytest.mark.parametrize("shares", [1, 2, 3])
 def test_prefetched_rows_are_the_rows_attention_reads(kv_dtype, sliding_window, shares):
     """The decode plan prefetches, per thread, the pool rows its attention units read next: together
-    the shares list every attended (sequence, kv head, position)'s row once, in the units' order."""
+    the shares list every attended (sequence, kv head, position)'s row once, in the units' order (per
+    sequence, its chunks of 128 positions in turn, each chunk's kv heads one after another)."""
     from llmopt.kernels.cpu_extension import cpu_ops
 
     lens, block_size, kv_heads, head_dim = [700, 129, 3, 257, 1], 16, 3, 64
@@ -132,10 +133,11 @@ def test_prefetched_rows_are_the_rows_attention_reads(kv_dtype, sliding_window, 
     expected = []
     for b, n in enumerate(lens):
         start = 0 if sliding_window is None else max(0, n - sliding_window)
-        for kh in range(kv_heads):
-            for t in range(start, n):
-                slot = tables[b, t // block_size].item() * block_size + t % block_size
-                expected.append((slot * kv_heads + kh) * row_bytes)
+        for chunk in range(start, n, 128):
+            for kh in range(kv_heads):
+                for t in range(chunk, min(n, chunk + 128)):
+                    slot = tables[b, t // block_size].item() * block_size + t % block_size
+                    expected.append((slot * kv_heads + kh) * row_bytes)
     got = [cpu_ops().paged_decode_share_rows(context, tables, block_size, kv_heads, 3, head_dim,
                                              -1 if sliding_window is None else sliding_window, kv_dtype, s, shares)
            for s in range(shares)]

@@ -401,16 +401,20 @@ PagedDecodeWork paged_decode_work(const int64_t* lens, int64_t B, int64_t KVH, i
     const int64_t len = lens[b];
     const int64_t start = sliding_window > 0 ? std::max<int64_t>(0, len - sliding_window) : 0;
     const int64_t n = len - start, chunks = std::max<int64_t>(1, (n + kChunk - 1) / kChunk);
-    for (int64_t kh = 0; kh < KVH; ++kh) {
-      if (chunks == 1) {
-        w.units.push_back({b, kh, start, n, -1});
-        continue;
-      }
-      w.first_partial[b * KVH + kh] = w.partials;
-      w.num_chunks[b * KVH + kh] = chunks;
-      for (int64_t c = 0; c < chunks; ++c)
-        w.units.push_back({b, kh, start + c * kChunk, std::min(kChunk, n - c * kChunk), w.partials++});
+    if (chunks == 1) {
+      for (int64_t kh = 0; kh < KVH; ++kh) w.units.push_back({b, kh, start, n, -1});
+      continue;
     }
+    // a chunk's kv heads one after another: they read the same token rows ([kv heads, head dim] each),
+    // so the rows come from memory once, in order, and the next heads find them in cache
+    for (int64_t kh = 0; kh < KVH; ++kh) {
+      w.first_partial[b * KVH + kh] = w.partials + kh;
+      w.num_chunks[b * KVH + kh] = chunks;
+    }
+    for (int64_t c = 0; c < chunks; ++c)
+      for (int64_t kh = 0; kh < KVH; ++kh)
+        w.units.push_back({b, kh, start + c * kChunk, std::min(kChunk, n - c * kChunk), w.partials + c * KVH + kh});
+    w.partials += chunks * KVH;
   }
   w.positions_before.resize(w.units.size());
   int64_t positions = 0;
@@ -534,14 +538,15 @@ void paged_decode_merge(PagedDecodeWork& w, float* out, int64_t i0, int64_t i1) 
     const int64_t chunks = w.num_chunks[item];
     for (int64_t g = 0; g < G; ++g) {
       float m = -std::numeric_limits<float>::infinity();
-      for (int64_t c = 0; c < chunks; ++c) m = std::max(m, w.part_max[(p0 + c) * G + g]);
+      for (int64_t c = 0; c < chunks; ++c) m = std::max(m, w.part_max[(p0 + c * w.KVH) * G + g]);
       float* o = out + (item * G + g) * D;  // item = b * KVH + kh, so (b * H + kh * G + g) * D
       std::fill(o, o + D, 0.f);
       float total = 0.f;
       for (int64_t c = 0; c < chunks; ++c) {
-        const float e = std::exp(w.part_max[(p0 + c) * G + g] - m);
-        total += e * w.part_sum[(p0 + c) * G + g];
-        const float* pc = w.part_out.data() + ((p0 + c) * G + g) * D;
+        const int64_t p = p0 + c * w.KVH;  // the item's chunk c (paged_decode_work: a chunk's kv heads together)
+        const float e = std::exp(w.part_max[p * G + g] - m);
+        total += e * w.part_sum[p * G + g];
+        const float* pc = w.part_out.data() + (p * G + g) * D;
         for (int64_t d = 0; d < D; ++d) o[d] += e * pc[d];
       }
       const float inv = 1.f / total;

@@ -19,7 +19,8 @@ struct Unit {
 struct PagedDecodeWork {
   int64_t B = 0, KVH = 0, G = 0, D = 0;
   std::vector<Unit> units;
-  std::vector<int64_t> first_partial, num_chunks;  // per item (b * KVH + kh)
+  // per item (b * KVH + kh): its first partial and chunk count; chunk c is partial first + c * KVH
+  std::vector<int64_t> first_partial, num_chunks;
   int64_t partials = 0;
   std::vector<int64_t> positions_before;  // per unit: the attended positions of the units before it
   std::vector<float> part_max, part_sum, part_out;  // per partial: G maxes, G sums, G * D outputs
