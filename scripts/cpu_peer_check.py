@@ -36,6 +36,12 @@ TARGETS = {"tg": 1.3, "pp_ratio": 2.0, "pp_tok_s": 1500.0, "mbu_b1": 0.75, "mbu_
            "gate_s": 180.0}
 
 
+def fail(message: str) -> None:
+    """A run that cannot go on: the reason on stderr, exit 2 (exit 1 is a gate's verdict in llmopt)."""
+    print(f"cpu_peer_check.py: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
 def llmopt_cli(args: list[str], out: Path, env: dict[str, str] | None = None) -> tuple[dict[str, Any] | None, float]:
     """`llmopt ARGS -o OUT` (a bench command); its results.json (None if it wrote none) and wall seconds."""
     command = ["llmopt", *args, "-o", str(out)]
@@ -53,7 +59,7 @@ def latency(name: str, model: str, engines: str, batches: str, input_len: int, o
                               "--input-len", str(input_len), "--output-len", "128", "--threads", str(threads),
                               *extra], out / name, env)
     if document is None:
-        sys.exit(f"{name}: bench latency wrote no results (see its output above)")
+        fail(f"{name}: bench latency wrote no results (see its output above)")
     return document
 
 
@@ -66,8 +72,8 @@ def llama_rows(document: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]
     """llama-bench's ppN + tgN row and its tgN @ dN row; exits where llama-bench did not run."""
     runs = [r for r in document["runs"] if r["engine"] == "llama.cpp"]
     if not runs or runs[0].get("skipped") or "llama-bench" not in runs[0]["label"]:
-        sys.exit(f"llama-bench did not run: {runs[0].get('skipped') if runs else 'no llama.cpp row'} "
-                 "(build it: bash scripts/build_llama_cpp.sh)")
+        fail(f"llama-bench did not run: {runs[0].get('skipped') if runs else 'no llama.cpp row'} "
+             "(build it: bash scripts/build_llama_cpp.sh)")
     fresh = next(r for r in runs if r.get("pp_tok_s") is not None)
     deep = next(r for r in runs if r.get("pp_tok_s") is None)
     return fresh, deep
@@ -80,7 +86,7 @@ def serving(awq: str, out: Path) -> list[dict[str, Any]]:
     peer, _ = llmopt_cli(["bench", "serve", "--launch", "llama-server", "--model", "default", "--serve-args", "-np 16",
                           *sweep], out / "serve-llama-server")
     if ours is None or peer is None:
-        sys.exit("bench serve wrote no results (see its output above)")
+        fail("bench serve wrote no results (see its output above)")
     rows = []
     for run in ours["runs"]:
         other = next(r for r in peer["runs"] if r["label"] == run["label"])
@@ -92,8 +98,9 @@ def serving(awq: str, out: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def gate_stage(rtn: str) -> tuple[float, int]:
-    command = ["llmopt", "eval", rtn, "--baseline", "default", "--tasks", "ppl,kld,mmlu", "--no-cache"]
+def gate_stage(rtn: str, out: Path) -> tuple[float, int]:
+    command = ["llmopt", "eval", rtn, "--baseline", "default", "--tasks", "ppl,kld,mmlu", "--no-cache",
+               "-o", str(out / "gate.json")]
     print("$ " + shlex.join(command), flush=True)
     start = time.perf_counter()
     code = subprocess.run(command, check=False).returncode
@@ -194,7 +201,7 @@ def main() -> None:
         summary["serving"] = rows
         lines.append(serving_line(rows))
     if args.rtn:
-        seconds, code = gate_stage(args.rtn)
+        seconds, code = gate_stage(args.rtn, args.out)
         summary["gate"] = {"seconds": seconds, "exit_code": code}
         lines.append(Line(f"gate stage cold (ppl, kld, mmlu; fp32 baseline and candidate) <= {TARGETS['gate_s']:.0f} s",
                           f"{seconds:.1f} s, exit {code}", seconds <= TARGETS["gate_s"] and code in (0, 1)))

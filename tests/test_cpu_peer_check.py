@@ -85,11 +85,12 @@ def test_mbu_and_the_bf16_peer_line(check):
     assert bf16.holds is None and "1,900.0 vs 1,030.7 tok/s, 1.84x" in bf16.figure
 
 
-def test_a_run_without_llama_bench_stops_with_the_reason(check):
+def test_a_run_without_llama_bench_stops_with_the_reason(check, capsys):
     docs = documents()
     docs["q4_0"] = {"runs": [{"label": "llama.cpp", "engine": "llama.cpp", "skipped": "not installed (llama_cpp)"}]}
-    with pytest.raises(SystemExit, match="not installed"):
+    with pytest.raises(SystemExit) as stopped:
         check.latency_lines(docs)
+    assert stopped.value.code == 2 and "not installed (llama_cpp)" in capsys.readouterr().err
 
 
 def test_serving_needs_the_ratio_at_the_top_and_ttft_at_every_level(check):
