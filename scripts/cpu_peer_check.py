@@ -42,20 +42,18 @@ def fail(message: str) -> None:
     sys.exit(2)
 
 
-def llmopt_cli(args: list[str], out: Path, env: dict[str, str] | None = None) -> tuple[dict[str, Any] | None, float]:
-    """`llmopt ARGS -o OUT` (a bench command); its results.json (None if it wrote none) and wall seconds."""
+def llmopt_cli(args: list[str], out: Path, env: dict[str, str] | None = None) -> dict[str, Any] | None:
+    """`llmopt ARGS -o OUT` (a bench command); its results.json, None if it wrote none."""
     command = ["llmopt", *args, "-o", str(out)]
     print("$ " + shlex.join(command), flush=True)
-    start = time.perf_counter()
     subprocess.run(command, check=False, env={**os.environ, **(env or {})})
-    elapsed = time.perf_counter() - start
     path = out / "results.json"
-    return (json.loads(path.read_text()) if path.exists() else None), elapsed
+    return json.loads(path.read_text()) if path.exists() else None
 
 
 def latency(name: str, model: str, engines: str, batches: str, input_len: int, out: Path, threads: int,
-            extra: list[str] = (), env: dict[str, str] | None = None) -> dict[str, Any]:
-    document, _ = llmopt_cli(["bench", "latency", model, "--engines", engines, "--batch-size", batches,
+            extra: tuple[str, ...] = (), env: dict[str, str] | None = None) -> dict[str, Any]:
+    document = llmopt_cli(["bench", "latency", model, "--engines", engines, "--batch-size", batches,
                               "--input-len", str(input_len), "--output-len", "128", "--threads", str(threads),
                               *extra], out / name, env)
     if document is None:
@@ -81,9 +79,9 @@ def llama_rows(document: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]
 
 def serving(awq: str, out: Path) -> list[dict[str, Any]]:
     sweep = ["--sweep", "concurrency=1,4,16", "--num-prompts", "32", "--output-len", "64"]
-    ours, _ = llmopt_cli(["bench", "serve", "--model", awq, "--serve-args", "--max-num-seqs 64 --kv-cache-memory 1GiB",
+    ours = llmopt_cli(["bench", "serve", "--model", awq, "--serve-args", "--max-num-seqs 64 --kv-cache-memory 1GiB",
                           *sweep], out / "serve-llmopt")
-    peer, _ = llmopt_cli(["bench", "serve", "--launch", "llama-server", "--model", "default", "--serve-args", "-np 16",
+    peer = llmopt_cli(["bench", "serve", "--launch", "llama-server", "--model", "default", "--serve-args", "-np 16",
                           *sweep], out / "serve-llama-server")
     if ours is None or peer is None:
         fail("bench serve wrote no results (see its output above)")
@@ -182,17 +180,17 @@ def main() -> None:
     q4_1 = str(default_gguf_path())
     started = time.strftime("%H:%M:%S", time.gmtime())
 
-    t, fp16 = args.threads, ["--kv-cache-dtype", "float16"]
+    t, fp16 = args.threads, ("--kv-cache-dtype", "float16")
     documents = {
-        "awq-q4_1": latency("awq-q4_1", args.awq, "llmopt,llama.cpp", "1,8", 512, args.out, t, ["--gguf", q4_1]),
-        "q4_0": latency("q4_0", args.awq, "llama.cpp", "1", 512, args.out, t, ["--gguf", args.q4_0]),
+        "awq-q4_1": latency("awq-q4_1", args.awq, "llmopt,llama.cpp", "1,8", 512, args.out, t, ("--gguf", q4_1)),
+        "q4_0": latency("q4_0", args.awq, "llama.cpp", "1", 512, args.out, t, ("--gguf", args.q4_0)),
         "fp32": latency("fp32", "default", "llmopt", "1,8", 512, args.out, t),
         "awq-short": latency("awq-short", args.awq, "llmopt", "1", 8, args.out, t),
         "awq-fp16kv": latency("awq-fp16kv", args.awq, "llmopt", "1,8", 512, args.out, t, fp16),
         "awq-fp16kv-short": latency("awq-fp16kv-short", args.awq, "llmopt", "1", 8, args.out, t, fp16),
     }
     if args.bf16:
-        documents["bf16"] = latency("bf16", args.awq, "llama.cpp", "1", 512, args.out, t, ["--gguf", args.bf16])
+        documents["bf16"] = latency("bf16", args.awq, "llama.cpp", "1", 512, args.out, t, ("--gguf", args.bf16))
 
     lines = latency_lines(documents)
     summary: dict[str, Any] = {"started_utc": started, "targets": TARGETS}
