@@ -171,6 +171,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", type=Path, required=True, help="a new folder for every command's results")
     args = parser.parse_args()
+    if args.threads < 1:
+        parser.error("--threads must be at least 1")
     for path in [args.awq, args.q4_0] + [p for p in (args.bf16, args.rtn) if p]:
         if not Path(path).exists():
             parser.error(f"{path} does not exist (see this script's help for how to make it)")

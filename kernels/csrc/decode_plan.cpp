@@ -184,6 +184,13 @@ class DecodePlan {
     layer.after_gate_up = down.regions();
     if (!layers_.empty()) layers_.back().after_down = qkv.regions();
     layers_.push_back(std::move(layer));
+    // the weights streamed between a layer's K/V prefetch and its attention: the layer before's o, gate_up
+    // and down and this layer's qkv (layer 0's come after the last layer's, in the step before)
+    kv_window_bytes_ = 0;
+    for (size_t i = 0; i < layers_.size(); ++i)
+      kv_window_bytes_ = std::max(kv_window_bytes_, layers_[i].o.weight_bytes() + layers_[i].gate_up.weight_bytes() +
+                                                        layers_[i].down.weight_bytes() +
+                                                        layers_[(i + 1) % layers_.size()].qkv.weight_bytes());
   }
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
@@ -271,18 +278,14 @@ class DecodePlan {
     };
 
     // the K/V prefetch's cache budget: a layer's rows, and the weights streamed between their
-    // prefetch and their attention (a layer's o, gate_up, down and the next layer's qkv)
-    int64_t kv_layer_bytes = 0, window_bytes = 0;
+    // prefetch and their attention (kv_window_bytes_)
+    int64_t kv_layer_bytes = 0;
     for (const PagedDecodeWork& work : works)
       if (!work.units.empty())
         kv_layer_bytes = std::max(kv_layer_bytes, 2 * (work.positions_before.back() + work.units.back().n) * work.D *
                                                       element);
-    for (size_t i = 0; i < layers_.size(); ++i)
-      window_bytes = std::max(window_bytes, layers_[i].o.weight_bytes() + layers_[i].gate_up.weight_bytes() +
-                                                layers_[i].down.weight_bytes() +
-                                                layers_[(i + 1) % layers_.size()].qkv.weight_bytes());
     const bool kv_ahead_fits =
-        n >= kKvAheadMinRows && kv_layer_bytes + window_bytes <= last_level_cache_bytes();
+        n >= kKvAheadMinRows && kv_layer_bytes + kv_window_bytes_ <= last_level_cache_bytes();
 
     llmopt_team::Barrier barrier;
     at::internal::lazy_init_num_threads();  // this thread's OpenMP team size: torch's thread count, as at::parallel_for
@@ -380,6 +383,7 @@ class DecodePlan {
 
  private:
   std::vector<LayerSpec> layers_;
+  int64_t kv_window_bytes_ = 0;  // the most weight bytes between a layer's K/V prefetch and its attention
 };
 
 LinearSpec dense_spec(torch::Tensor weight, c10::optional<torch::Tensor> bias) {
